@@ -1,0 +1,167 @@
+"""Action formats: how a model's raw text becomes actions and reasoning fields.
+
+A format never raises on model text: anything it cannot parse is a ParsedTurn with
+valid=False and feedback that tells the agent what was expected.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+META_TAGS = ("planning", "explore", "reflection", "monitor")
+
+
+@dataclass
+class ParsedTurn:
+    valid: bool
+    actions: list[str] = field(default_factory=list)
+    fields: dict[str, str] = field(default_factory=dict)
+    feedback: str = ""
+
+
+@dataclass(frozen=True)
+class ActionFormat:
+    name: str
+    description: str
+    # Instruction appended to the system prompt, telling the model how to answer.
+    instruction: str
+    parse_fn: Callable[[str, str], ParsedTurn]
+
+    def parse(self, text: str, separator: str = ",") -> ParsedTurn:
+        return self.parse_fn(text, separator)
+
+
+def _tag_re(tag: str) -> re.Pattern:
+    return re.compile(rf"<{tag}>(.*?)</{tag}>", re.DOTALL | re.IGNORECASE)
+
+
+_TAG_RES = {t: _tag_re(t) for t in ("think", "answer", "observation", "reasoning", "prediction",
+                                     "action", "remark", *META_TAGS)}
+_ANY_TAG = re.compile(r"</?\s*([a-zA-Z_]+)\s*>")
+
+
+def _only(text: str, tag: str) -> tuple[str | None, str]:
+    """The content of exactly one <tag>..</tag>, or (None, reason)."""
+    opens = len(re.findall(rf"<{tag}>", text, re.IGNORECASE))
+    closes = len(re.findall(rf"</{tag}>", text, re.IGNORECASE))
+    if opens == 0 and closes == 0:
+        return None, f"missing <{tag}>...</{tag}>"
+    if opens != 1 or closes != 1:
+        return None, f"expected exactly one <{tag}>...</{tag}>, found {opens} opening and {closes} closing"
+    m = _TAG_RES[tag].search(text)
+    if m is None:
+        return None, f"<{tag}> is not closed in order"
+    return m.group(1), ""
+
+
+def split_actions(answer: str, separator: str) -> list[str]:
+    parts = [p.strip() for p in answer.split(separator)] if separator else [answer.strip()]
+    return [p for p in parts if p]
+
+
+def _invalid(reason: str, expected: str, fields: dict | None = None) -> ParsedTurn:
+    return ParsedTurn(False, [], fields or {}, f"Invalid format: {reason}. Expected: {expected}")
+
+
+def _think_answer_parser(think_fields: tuple[str, ...], require_think: bool, expected: str):
+    """VAGEN-style formats: an optional or required <think> holding `think_fields`, then <answer>."""
+
+    def parse(text: str, sep: str) -> ParsedTurn:
+        fields: dict[str, str] = {}
+        if require_think:
+            think, why = _only(text, "think")
+            if think is None:
+                return _invalid(why, expected)
+            fields["think"] = think.strip()
+            for f in think_fields:
+                value, why = _only(think, f)
+                if value is None:
+                    return _invalid(why + " inside <think>", expected, fields)
+                fields[f] = value.strip()
+        elif re.search(r"</?think>", text, re.IGNORECASE):
+            return _invalid("this format takes no <think>", expected)
+        answer, why = _only(text, "answer")
+        if answer is None:
+            return _invalid(why, expected, fields)
+        if require_think and text.lower().find("<answer>") < text.lower().find("</think>"):
+            return _invalid("<answer> must follow </think>", expected, fields)
+        actions = split_actions(answer, sep)
+        if not actions:
+            return _invalid("<answer> holds no action", expected, fields)
+        return ParsedTurn(True, actions, fields)
+
+    return parse
+
+
+def _meta_reasoning_parse(text: str, sep: str) -> ParsedTurn:
+    expected = ("exactly one of <planning>, <explore>, <reflection>, <monitor> with its reasoning, "
+                "then <action>...</action>")
+    present = [t for t in META_TAGS if re.search(rf"</?{t}>", text, re.IGNORECASE)]
+    if len(present) != 1:
+        why = "no meta-reasoning tag" if not present else f"several meta-reasoning tags ({', '.join(present)})"
+        return _invalid(why, expected)
+    tag = present[0]
+    body, why = _only(text, tag)
+    if body is None:
+        return _invalid(why, expected)
+    action, why = _only(text, "action")
+    if action is None:
+        return _invalid(why, expected, {"meta_tag": tag})
+    fields = {"meta_tag": tag, tag: body.strip()}
+    if text.lower().find("<action>") < text.lower().find(f"</{tag}>"):
+        return _invalid(f"<action> must follow </{tag}>", expected, fields)
+    actions = split_actions(action, sep)
+    if not actions:
+        return _invalid("<action> holds no action", expected, fields)
+    return ParsedTurn(True, actions, fields)
+
+
+_FORMATS: dict[str, ActionFormat] = {}
+
+
+def register_format(fmt: ActionFormat) -> None:
+    _FORMATS[fmt.name] = fmt
+
+
+def get_format(name: str) -> ActionFormat:
+    try:
+        return _FORMATS[name]
+    except KeyError:
+        raise KeyError(f"unknown action format {name!r}; known: {sorted(_FORMATS)}") from None
+
+
+def format_names() -> tuple[str, ...]:
+    return tuple(_FORMATS)
+
+
+def _register_builtin() -> None:
+    specs = [
+        ("no_think", "answer only", (), False,
+         "<answer>action1{sep} action2</answer>"),
+        ("free_think", "free reasoning, then the answer", (), True,
+         "<think>your reasoning</think><answer>action1{sep} action2</answer>"),
+        ("grounding", "describe the observation, reason, answer", ("observation", "reasoning"), True,
+         "<think><observation>what you see</observation><reasoning>...</reasoning></think>"
+         "<answer>action1{sep} action2</answer>"),
+        ("worldmodeling", "reason, predict the next state, answer", ("reasoning", "prediction"), True,
+         "<think><reasoning>...</reasoning><prediction>the state after your actions</prediction></think>"
+         "<answer>action1{sep} action2</answer>"),
+        ("grounding_worldmodeling", "describe, reason, predict, answer",
+         ("observation", "reasoning", "prediction"), True,
+         "<think><observation>what you see</observation><reasoning>...</reasoning>"
+         "<prediction>the state after your actions</prediction></think><answer>action1{sep} action2</answer>"),
+    ]
+    for name, desc, think_fields, require_think, template in specs:
+        expected = template.format(sep=",")
+        register_format(ActionFormat(
+            name, desc, f"Answer in the form {expected}",
+            _think_answer_parser(think_fields, require_think, expected)))
+    register_format(ActionFormat(
+        "meta_reasoning", "RLVMR: one meta-reasoning tag, then the action",
+        "Begin with exactly one of <planning>, <explore>, <reflection> or <monitor> holding your "
+        "reasoning, then give the action in <action>...</action>.",
+        _meta_reasoning_parse))
+
+
+_register_builtin()

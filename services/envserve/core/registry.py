@@ -1,0 +1,60 @@
+"""Environment registration by name.
+
+Built-in environments register an import path (so listing envs imports nothing heavy);
+third-party packages add entry points in the group `envserve.envs`, name -> "module:Class".
+"""
+from __future__ import annotations
+
+import importlib
+from importlib import metadata
+from typing import Type
+
+from .env import Environment
+
+ENTRY_POINT_GROUP = "envserve.envs"
+
+_PATHS: dict[str, str] = {}
+_CLASSES: dict[str, Type[Environment]] = {}
+_entry_points_loaded = False
+
+
+def register(env_id: str, target: "str | Type[Environment]") -> None:
+    """Register an env class, or its 'module:Class' path for lazy import."""
+    if isinstance(target, str):
+        _PATHS[env_id] = target
+        _CLASSES.pop(env_id, None)
+    else:
+        _CLASSES[env_id] = target
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        _PATHS.setdefault(ep.name, ep.value)
+
+
+def env_ids() -> list[str]:
+    _builtin()
+    _load_entry_points()
+    return sorted(set(_PATHS) | set(_CLASSES))
+
+
+def get_env_class(env_id: str) -> Type[Environment]:
+    _builtin()
+    _load_entry_points()
+    if env_id in _CLASSES:
+        return _CLASSES[env_id]
+    if env_id not in _PATHS:
+        raise KeyError(f"unknown environment {env_id!r}; registered: {env_ids()}")
+    module_name, _, attr = _PATHS[env_id].partition(":")
+    cls = getattr(importlib.import_module(module_name), attr)
+    _CLASSES[env_id] = cls
+    return cls
+
+
+def _builtin() -> None:
+    # Imported here, not at module load, so envs can import core freely.
+    import envserve.envs  # noqa: F401  (its __init__ registers the built-in families)

@@ -1,0 +1,297 @@
+"""A session: one environment instance plus everything every environment shares.
+
+It parses the model's text with the session's action format, runs up to the allowed number
+of actions, counts turns and episodes, applies format rewards, records the ground truth of
+each turn, computes anchor and transition keys, and can be copied (snapshot or replay).
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .env import Environment, EnvSpec, resolve_config
+from .formats import get_format
+from .registry import get_env_class
+
+# Keys every session has, beside the env's own. Env specs may change these defaults.
+COMMON_CONFIG_DOCS = {
+    "max_turns": "turns per episode before it is truncated",
+    "max_actions_per_turn": "primitive actions executed per turn at most",
+    "render_image": "add a PNG image to each observation",
+    "image_size": "image side in pixels",
+    "format_reward": "added when the turn parses and every action is valid",
+    "format_penalty": "reward of a turn whose text the action format cannot parse",
+    "invalid_action_penalty": "added when a parsed action is not a legal action",
+    "action_separator": "separator between several actions in one answer",
+    "max_action_chars": "longer action texts are invalid",
+    "history_turns": "ground-truth records kept per session for GetState",
+}
+
+
+class SessionError(Exception):
+    """A client error on a session; `code` is a gRPC status code name."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def session_config_defaults(spec: EnvSpec) -> dict:
+    common = {
+        "max_turns": spec.max_turns,
+        "max_actions_per_turn": spec.max_actions_per_turn,
+        "render_image": False,
+        "image_size": 128,
+        "format_reward": 0.0,
+        "format_penalty": -0.1,
+        "invalid_action_penalty": -0.1,
+        "action_separator": ",",
+        "max_action_chars": 16384,
+        "history_turns": 64,
+    }
+    common.update(spec.config_defaults)
+    return common
+
+
+def full_spec(spec: EnvSpec) -> EnvSpec:
+    """The spec with the common session keys in its config schema."""
+    import dataclasses
+    docs = dict(COMMON_CONFIG_DOCS)
+    docs.update(spec.config_docs)
+    return dataclasses.replace(spec, config_defaults=session_config_defaults(spec), config_docs=docs)
+
+
+def state_key(data: Any) -> str:
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.blake2b(blob.encode(), digest_size=8).hexdigest()
+
+
+@dataclass
+class TurnResult:
+    text: str
+    image: Any = None  # RGB uint8 array or None
+    reward: float = 0.0
+    components: dict[str, float] = field(default_factory=dict)
+    done: bool = False
+    truncated: bool = False
+    success: bool = False
+    valid: bool = True
+    actions_executed: int = 0
+    parsed_actions: list[str] = field(default_factory=list)
+    reasoning: dict[str, str] = field(default_factory=dict)
+    anchor: str = ""
+    transition: str = ""
+    feedback: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+    turn: int = 0
+    episode: int = 0
+
+
+class Session:
+    def __init__(self, env_id: str, config: Mapping[str, Any] | None = None, action_format: str = ""):
+        cls = get_env_class(env_id)
+        self.env_id = env_id
+        self.spec: EnvSpec = cls.spec
+        try:
+            self.config = resolve_config(full_spec(cls.spec), config)
+        except ValueError as e:
+            raise SessionError("INVALID_ARGUMENT", str(e)) from None
+        name = action_format or cls.spec.default_action_format
+        allowed = cls.spec.action_formats
+        if allowed and name not in allowed:
+            raise SessionError("INVALID_ARGUMENT", f"{env_id} accepts action formats {list(allowed)}, not {name!r}")
+        try:
+            self.format = get_format(name)
+        except KeyError as e:
+            raise SessionError("INVALID_ARGUMENT", str(e.args[0])) from None
+        if self.config["render_image"] and "image" not in cls.spec.modalities:
+            raise SessionError("INVALID_ARGUMENT", f"{env_id} has no image observation")
+        self.action_format = name
+        self.env: Environment = cls(self.config)
+        self.seed: int | None = None
+        self.task_options: dict = {}
+        self.episode = -1
+        self.turn = 0
+        self.done = False
+        self.anchor = ""
+        # Texts stepped since the last reset: the replay log for envs that cannot snapshot.
+        self.replay_log: list[str] = []
+        self.history: collections.deque = collections.deque(maxlen=max(1, int(self.config["history_turns"])))
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def reset(self, seed: int | None = None, task_id: str = "", split: str = "", same_task: bool = False) -> TurnResult:
+        if same_task:
+            if self.seed is None:
+                raise SessionError("FAILED_PRECONDITION", "same_task needs an earlier reset of this session")
+            self.episode += 1
+        else:
+            self.seed, self.task_options = self._choose_task(seed, task_id, split)
+            self.episode = 0
+        self.env.reset(self.seed, dict(self.task_options))
+        self.turn = 0
+        self.done = False
+        self.replay_log = []
+        result = TurnResult(text="")
+        result.info = {"seed": self.seed, **({"split": split} if split else {})}
+        self.anchor = ""
+        return self._finish(result, executed=[])
+
+    def _choose_task(self, seed, task_id, split):
+        spec = self.spec
+        if seed is not None:
+            return int(seed), {}
+        if task_id:
+            try:
+                return int(task_id), {}
+            except ValueError:
+                raise SessionError("INVALID_ARGUMENT", f"task_id of {self.env_id} is an integer seed, got {task_id!r}") from None
+        try:
+            sp = spec.split(split) if split else spec.splits[0]
+        except KeyError as e:
+            raise SessionError("INVALID_ARGUMENT", str(e.args[0])) from None
+        return sp.seed_offset + secrets.randbelow(sp.num_tasks), {}
+
+    def step(self, text: str) -> TurnResult:
+        if self.seed is None:
+            raise SessionError("FAILED_PRECONDITION", "session has not been reset")
+        if self.done:
+            raise SessionError("FAILED_PRECONDITION", "episode is over; reset the session")
+        self.replay_log.append(text)
+        cfg = self.config
+        result = TurnResult(text="")
+        executed: list[str] = []
+        if not isinstance(text, str) or len(text) > cfg["max_action_chars"]:
+            result.valid = False
+            result.feedback = f"Invalid action: longer than {cfg['max_action_chars']} characters."
+            result.components["format"] = cfg["format_penalty"]
+        else:
+            parsed = self.format.parse(text, cfg["action_separator"])
+            result.reasoning = parsed.fields
+            if not parsed.valid:
+                result.valid = False
+                result.feedback = parsed.feedback
+                result.components["format"] = cfg["format_penalty"]
+            else:
+                limit = cfg["max_actions_per_turn"]
+                actions = parsed.actions[:limit]
+                result.parsed_actions = actions
+                notes = []
+                if len(parsed.actions) > limit:
+                    notes.append(f"Only the first {limit} actions were executed.")
+                for action in actions:
+                    outcome = self.env.step(action)
+                    if not outcome.valid:
+                        result.valid = False
+                        notes.append(outcome.feedback or f"Invalid action: {action!r}.")
+                        _add(result.components, "invalid_action", cfg["invalid_action_penalty"])
+                        break
+                    executed.append(action)
+                    for k, v in (outcome.components or {"task": outcome.reward}).items():
+                        _add(result.components, k, v)
+                    if outcome.feedback:
+                        notes.append(outcome.feedback)
+                    result.info.update(outcome.info)
+                    if outcome.done:
+                        result.done = True
+                        result.success = outcome.success
+                        break
+                if result.valid and cfg["format_reward"]:
+                    _add(result.components, "format", cfg["format_reward"])
+                result.feedback = " ".join(notes)
+        result.actions_executed = len(executed)
+        result.reward = float(sum(result.components.values()))
+        self.turn += 1
+        self.done = result.done
+        if not result.done and self.turn >= cfg["max_turns"]:
+            result.truncated = True
+            self.done = True
+        return self._finish(result, executed)
+
+    def _finish(self, result: TurnResult, executed: list[str]) -> TurnResult:
+        truth = self.env.ground_truth()
+        text = self.env.render_text()
+        anchor = state_key([self.env_id, self.env.anchor_data()])
+        result.transition = state_key([self.anchor, executed, anchor]) if executed else ""
+        self.anchor = anchor
+        result.anchor = anchor
+        result.text = text
+        result.turn = self.turn
+        result.episode = self.episode
+        if self.config["render_image"]:
+            result.image = self.env.render_image(int(self.config["image_size"]))
+        self.history.append({
+            "episode": self.episode, "turn": self.turn, "state": truth.state,
+            "relations": list(truth.relations), "anchor": anchor, "observation_text": text,
+        })
+        return result
+
+    def get_state(self, turn: int = -1, episode: int | None = None) -> dict:
+        if not self.history:
+            raise SessionError("FAILED_PRECONDITION", "session has not been reset")
+        if episode is None:
+            episode = self.episode
+        elif episode < 0:
+            episode = self.episode + 1 + episode
+        records = [r for r in self.history if r["episode"] == episode]
+        if not records:
+            raise SessionError("NOT_FOUND", f"episode {episode} is not kept (current episode {self.episode})")
+        if turn < 0:
+            turn = records[-1]["turn"] + 1 + turn
+        for r in records:
+            if r["turn"] == turn:
+                return r
+        raise SessionError("NOT_FOUND", f"turn {turn} of episode {episode} is not kept; kept turns "
+                                        f"{records[0]['turn']}..{records[-1]['turn']}")
+
+    def close(self) -> None:
+        self.env.close()
+
+    # -- copies -----------------------------------------------------------------------------
+    def to_blob(self) -> dict:
+        """A picklable copy: a snapshot where the env can make one, else what replay needs."""
+        blob = {
+            "env_id": self.env_id, "config": dict(self.config), "action_format": self.action_format,
+            "seed": self.seed, "task_options": self.task_options, "episode": self.episode,
+            "turn": self.turn, "done": self.done, "anchor": self.anchor,
+            "replay_log": list(self.replay_log), "history": list(self.history),
+        }
+        if self.spec.supports_snapshot and self.seed is not None:
+            blob["env_snapshot"] = self.env.snapshot()
+        return blob
+
+    @classmethod
+    def from_blob(cls, blob: dict) -> "Session":
+        s = cls(blob["env_id"], blob["config"], blob["action_format"])
+        if blob["seed"] is None:
+            return s
+        s.seed, s.task_options = blob["seed"], dict(blob["task_options"])
+        if "env_snapshot" in blob:
+            s.env.restore(blob["env_snapshot"])
+        else:
+            # Deterministic replay of (seed, actions) for envs that cannot snapshot.
+            s.env.reset(s.seed, dict(s.task_options))
+            for text in blob["replay_log"]:
+                s._replay_turn(text)
+        s.episode, s.turn, s.done, s.anchor = blob["episode"], blob["turn"], blob["done"], blob["anchor"]
+        s.replay_log = list(blob["replay_log"])
+        s.history.extend(blob["history"])
+        return s
+
+    def _replay_turn(self, text: str) -> None:
+        parsed = self.format.parse(text, self.config["action_separator"]) \
+            if len(text) <= self.config["max_action_chars"] else None
+        if parsed is None or not parsed.valid:
+            return
+        for action in parsed.actions[: self.config["max_actions_per_turn"]]:
+            outcome = self.env.step(action)
+            if not outcome.valid or outcome.done:
+                break
+
+
+def _add(components: dict, key: str, value: float) -> None:
+    components[key] = components.get(key, 0.0) + float(value)

@@ -1,0 +1,282 @@
+from google.protobuf import struct_pb2 as _struct_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ItemStatus(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class Split(_message.Message):
+    __slots__ = ("name", "description")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ...) -> None: ...
+
+class EnvSpec(_message.Message):
+    __slots__ = ("env_id", "description", "system_prompt", "default_action_format", "action_formats", "max_turns", "max_actions_per_turn", "modalities", "config_schema_json", "splits", "action_space", "supports_snapshot")
+    ENV_ID_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_ACTION_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FORMATS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ACTIONS_PER_TURN_FIELD_NUMBER: _ClassVar[int]
+    MODALITIES_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_SCHEMA_JSON_FIELD_NUMBER: _ClassVar[int]
+    SPLITS_FIELD_NUMBER: _ClassVar[int]
+    ACTION_SPACE_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTS_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    env_id: str
+    description: str
+    system_prompt: str
+    default_action_format: str
+    action_formats: _containers.RepeatedScalarFieldContainer[str]
+    max_turns: int
+    max_actions_per_turn: int
+    modalities: _containers.RepeatedScalarFieldContainer[str]
+    config_schema_json: str
+    splits: _containers.RepeatedCompositeFieldContainer[Split]
+    action_space: str
+    supports_snapshot: bool
+    def __init__(self, env_id: _Optional[str] = ..., description: _Optional[str] = ..., system_prompt: _Optional[str] = ..., default_action_format: _Optional[str] = ..., action_formats: _Optional[_Iterable[str]] = ..., max_turns: _Optional[int] = ..., max_actions_per_turn: _Optional[int] = ..., modalities: _Optional[_Iterable[str]] = ..., config_schema_json: _Optional[str] = ..., splits: _Optional[_Iterable[_Union[Split, _Mapping]]] = ..., action_space: _Optional[str] = ..., supports_snapshot: _Optional[bool] = ...) -> None: ...
+
+class ListEnvsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListEnvsResponse(_message.Message):
+    __slots__ = ("envs", "replica_id")
+    ENVS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    envs: _containers.RepeatedCompositeFieldContainer[EnvSpec]
+    replica_id: str
+    def __init__(self, envs: _Optional[_Iterable[_Union[EnvSpec, _Mapping]]] = ..., replica_id: _Optional[str] = ...) -> None: ...
+
+class GetSpecRequest(_message.Message):
+    __slots__ = ("env_id",)
+    ENV_ID_FIELD_NUMBER: _ClassVar[int]
+    env_id: str
+    def __init__(self, env_id: _Optional[str] = ...) -> None: ...
+
+class OpenRequest(_message.Message):
+    __slots__ = ("env_id", "count", "config", "action_format")
+    ENV_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    env_id: str
+    count: int
+    config: _struct_pb2.Struct
+    action_format: str
+    def __init__(self, env_id: _Optional[str] = ..., count: _Optional[int] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., action_format: _Optional[str] = ...) -> None: ...
+
+class OpenResponse(_message.Message):
+    __slots__ = ("session_ids", "lease_seconds")
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    lease_seconds: float
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class ResetItem(_message.Message):
+    __slots__ = ("session_id", "seed", "task_id", "split", "same_task")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
+    SAME_TASK_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    seed: int
+    task_id: str
+    split: str
+    same_task: bool
+    def __init__(self, session_id: _Optional[str] = ..., seed: _Optional[int] = ..., task_id: _Optional[str] = ..., split: _Optional[str] = ..., same_task: _Optional[bool] = ...) -> None: ...
+
+class ResetRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ResetItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[ResetItem, _Mapping]]] = ...) -> None: ...
+
+class StepItem(_message.Message):
+    __slots__ = ("session_id", "action")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    action: str
+    def __init__(self, session_id: _Optional[str] = ..., action: _Optional[str] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[StepItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[StepItem, _Mapping]]] = ...) -> None: ...
+
+class Image(_message.Message):
+    __slots__ = ("png", "height", "width", "channels", "name")
+    PNG_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    png: bytes
+    height: int
+    width: int
+    channels: int
+    name: str
+    def __init__(self, png: _Optional[bytes] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., channels: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+
+class Observation(_message.Message):
+    __slots__ = ("text", "images", "turn", "episode")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    images: _containers.RepeatedCompositeFieldContainer[Image]
+    turn: int
+    episode: int
+    def __init__(self, text: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("session_id", "status", "observation", "reward", "reward_components", "done", "truncated", "success", "action_valid", "actions_executed", "parsed_actions", "reasoning", "anchor", "feedback", "info", "turn", "episode", "transition")
+    class RewardComponentsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class ReasoningEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATION_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    REWARD_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    ACTION_VALID_FIELD_NUMBER: _ClassVar[int]
+    ACTIONS_EXECUTED_FIELD_NUMBER: _ClassVar[int]
+    PARSED_ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_FIELD_NUMBER: _ClassVar[int]
+    FEEDBACK_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_FIELD_NUMBER: _ClassVar[int]
+    TRANSITION_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    status: ItemStatus
+    observation: Observation
+    reward: float
+    reward_components: _containers.ScalarMap[str, float]
+    done: bool
+    truncated: bool
+    success: bool
+    action_valid: bool
+    actions_executed: int
+    parsed_actions: _containers.RepeatedScalarFieldContainer[str]
+    reasoning: _containers.ScalarMap[str, str]
+    anchor: str
+    feedback: str
+    info: _struct_pb2.Struct
+    turn: int
+    episode: int
+    transition: str
+    def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[ItemStatus, _Mapping]] = ..., observation: _Optional[_Union[Observation, _Mapping]] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., done: _Optional[bool] = ..., truncated: _Optional[bool] = ..., success: _Optional[bool] = ..., action_valid: _Optional[bool] = ..., actions_executed: _Optional[int] = ..., parsed_actions: _Optional[_Iterable[str]] = ..., reasoning: _Optional[_Mapping[str, str]] = ..., anchor: _Optional[str] = ..., feedback: _Optional[str] = ..., info: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ..., transition: _Optional[str] = ...) -> None: ...
+
+class BatchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[StepResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ...) -> None: ...
+
+class InteractRequest(_message.Message):
+    __slots__ = ("tag", "reset", "step")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    reset: ResetItem
+    step: StepItem
+    def __init__(self, tag: _Optional[int] = ..., reset: _Optional[_Union[ResetItem, _Mapping]] = ..., step: _Optional[_Union[StepItem, _Mapping]] = ...) -> None: ...
+
+class InteractResponse(_message.Message):
+    __slots__ = ("tag", "result")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    result: StepResult
+    def __init__(self, tag: _Optional[int] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ...) -> None: ...
+
+class ForkRequest(_message.Message):
+    __slots__ = ("session_id", "count")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    count: int
+    def __init__(self, session_id: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+
+class ForkResponse(_message.Message):
+    __slots__ = ("session_ids",)
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CloseRequest(_message.Message):
+    __slots__ = ("session_ids",)
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CloseResponse(_message.Message):
+    __slots__ = ("statuses",)
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    statuses: _containers.RepeatedCompositeFieldContainer[ItemStatus]
+    def __init__(self, statuses: _Optional[_Iterable[_Union[ItemStatus, _Mapping]]] = ...) -> None: ...
+
+class GetStateRequest(_message.Message):
+    __slots__ = ("session_id", "turn", "episode")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    turn: int
+    episode: int
+    def __init__(self, session_id: _Optional[str] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ...) -> None: ...
+
+class GetStateResponse(_message.Message):
+    __slots__ = ("session_id", "turn", "episode", "state", "relations", "anchor", "observation_text")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RELATIONS_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATION_TEXT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    turn: int
+    episode: int
+    state: _struct_pb2.Struct
+    relations: _containers.RepeatedScalarFieldContainer[str]
+    anchor: str
+    observation_text: str
+    def __init__(self, session_id: _Optional[str] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ..., state: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., relations: _Optional[_Iterable[str]] = ..., anchor: _Optional[str] = ..., observation_text: _Optional[str] = ...) -> None: ...
