@@ -1,0 +1,4 @@
+"""FrozenLake on gymnasium's FrozenLakeEnv; see env.py."""
+from .env import FrozenLakeEnv
+
+__all__ = ["FrozenLakeEnv"]
