@@ -1,0 +1,129 @@
+"""Running a replica: the gRPC server with health, reflection, metrics and a SIGTERM drain."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from envserve.v1 import envserve_pb2 as pb
+from envserve.v1 import envserve_pb2_grpc as pb_grpc
+
+from .config import ServerConfig
+from .metrics import Metrics
+from .service import EnvService, Replica, StateService
+
+log = logging.getLogger("envserve.server")
+SERVICE_NAMES = ("envserve.v1.EnvService", "envserve.v1.StateService")
+
+
+def add_env_service(servicer: EnvService, server: grpc.aio.Server) -> None:
+    """Like the generated add_EnvServiceServicer_to_server, except that Reset, Step and Interact
+    return bytes already serialized (results are encoded once, in the workers)."""
+    def unary(fn, req, raw=False):
+        return grpc.unary_unary_rpc_method_handler(
+            fn, request_deserializer=req.FromString, response_serializer=None if raw else _serialize)
+    handlers = {
+        "ListEnvs": unary(servicer.ListEnvs, pb.ListEnvsRequest),
+        "GetSpec": unary(servicer.GetSpec, pb.GetSpecRequest),
+        "Open": unary(servicer.Open, pb.OpenRequest),
+        "Reset": unary(servicer.Reset, pb.ResetRequest, raw=True),
+        "Step": unary(servicer.Step, pb.StepRequest, raw=True),
+        "Interact": grpc.stream_stream_rpc_method_handler(
+            servicer.Interact, request_deserializer=pb.InteractRequest.FromString, response_serializer=None),
+        "Fork": unary(servicer.Fork, pb.ForkRequest),
+        "Close": unary(servicer.Close, pb.CloseRequest),
+    }
+    missing = set(pb.DESCRIPTOR.services_by_name["EnvService"].methods_by_name) - set(handlers)
+    assert not missing, f"EnvService methods without a handler: {missing}"
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("envserve.v1.EnvService", handlers),))
+
+
+def _serialize(message) -> bytes:
+    return message.SerializeToString()
+
+
+class ReplicaServer:
+    def __init__(self, config: ServerConfig):
+        if not config.env_ids:
+            raise ValueError("serve at least one environment")
+        self.config = config
+        self.metrics = Metrics()
+        self.replica = Replica(config, self.metrics)
+        self.health = HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self.metrics_port = 0
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> int:
+        opts = [("grpc.max_receive_message_length", self.config.max_message_bytes),
+                ("grpc.max_send_message_length", self.config.max_message_bytes),
+                ("grpc.so_reuseport", 0)]
+        self.server = grpc.aio.server(options=opts)
+        add_env_service(EnvService(self.replica), self.server)
+        pb_grpc.add_StateServiceServicer_to_server(StateService(self.replica), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server)
+        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+        await self.replica.start(self.config.resolved_replica_id(self.port))
+        if self.config.metrics_port >= 0:
+            self.metrics_port = self.metrics.serve_http(self.config.metrics_host, self.config.metrics_port)
+        await self.server.start()
+        for name in ("", *SERVICE_NAMES):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return self.port
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def drain_and_stop(self) -> None:
+        """Refuse new sessions, let in-flight calls finish, then stop."""
+        if self.replica.draining:
+            return
+        self.replica.draining = True
+        for name in ("", *SERVICE_NAMES):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        finished = await self.replica.wait_idle(self.config.drain_timeout_seconds)
+        log.info("drained (%s); stopping", "all calls finished" if finished else "timed out")
+        await self.stop()
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(grace=1.0)
+        await self.replica.close()
+        self.metrics.close()
+        self._stopped.set()
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+
+async def serve_forever(config: ServerConfig, ready=None) -> None:
+    server = ReplicaServer(config)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: loop.create_task(server.drain_and_stop()))
+    envs = ", ".join(config.env_ids)
+    extra = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
+    print(f"envserve serving {envs} on {server.address} with {config.resolved_workers()} workers{extra}",
+          flush=True)
+    if ready is not None:
+        ready(server)
+    await server.wait()
+
+
+def run(config: ServerConfig) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    asyncio.run(serve_forever(config))

@@ -1,0 +1,226 @@
+"""Worker processes as seen from the asyncio front.
+
+Each worker has a request pipe written without blocking and a reply pipe read on the event
+loop (add_reader). When a
+worker dies, its pending requests fail with WorkerLost, its sessions are reported lost, and
+a new worker takes its slot.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import struct
+from typing import Callable
+
+from .worker import worker_main
+
+log = logging.getLogger("envserve.pool")
+
+
+class WorkerLost(Exception):
+    pass
+
+
+class WorkerHandle:
+    """One worker process and its two one-way pipes.
+
+    Requests are written from the event loop to a non-blocking pipe (the rest of a frame that
+    does not fit waits for add_writer), so the loop never blocks and no thread waits on the GIL;
+    the worker reads them with an ordinary Connection, whose framing we write by hand."""
+
+    def __init__(self, slot: int, ctx, preload: list[str]):
+        self.slot = slot
+        req_r, req_w = ctx.Pipe(duplex=False)
+        rep_r, rep_w = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=worker_main, args=(req_r, rep_w, preload), daemon=True,
+                                   name=f"envserve-worker-{slot}")
+        self.process.start()
+        req_r.close()
+        rep_w.close()
+        self.conn = rep_r  # replies, read on the event loop
+        self._req = req_w
+        self._wfd = req_w.fileno()
+        os.set_blocking(self._wfd, False)
+        self._wbuf = bytearray()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.alive = True
+        self.sessions: set[str] = set()
+        # request id -> (future or per-item callback, items expected)
+        self.pending: dict[int, tuple] = {}
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def send(self, message) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        # multiprocessing.Connection framing: a signed 4-byte length, or -1 and an 8-byte one.
+        header = struct.pack("!i", len(data)) if len(data) < 0x7FFFFFFF else struct.pack("!iQ", -1, len(data))
+        if self._wbuf:
+            self._wbuf += header + data
+            return
+        frame = header + data
+        try:
+            n = os.write(self._wfd, frame)
+        except BlockingIOError:
+            n = 0
+        except OSError:
+            return  # the worker is gone; the reader reports it
+        if n < len(frame):
+            self._wbuf += frame[n:]
+            self._loop.add_writer(self._wfd, self._flush)
+
+    def _flush(self) -> None:
+        try:
+            n = os.write(self._wfd, self._wbuf)
+        except BlockingIOError:
+            return
+        except OSError:
+            self._wbuf.clear()
+            self._loop.remove_writer(self._wfd)
+            return
+        del self._wbuf[:n]
+        if not self._wbuf:
+            self._loop.remove_writer(self._wfd)
+
+    def close_pipes(self) -> None:
+        if self._loop is not None and self._wbuf:
+            self._loop.remove_writer(self._wfd)
+        self._wbuf.clear()
+        for c in (self.conn, self._req):
+            try:
+                c.close()
+            except OSError:
+                pass
+
+
+class WorkerPool:
+    def __init__(self, size: int, preload: list[str], on_death: Callable[[WorkerHandle], None]):
+        # forkserver: workers start from a clean process, not a fork of the gRPC front
+        # (forking a process with gRPC threads or a GL context can hang).
+        try:
+            self._ctx = mp.get_context("forkserver")
+            self._ctx.set_forkserver_preload(["envserve.server.worker"])
+        except ValueError:
+            self._ctx = mp.get_context("spawn")
+        self._preload = preload
+        self._on_death = on_death
+        self._ids = itertools.count(1)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.size = size
+        self.workers: list[WorkerHandle] = []
+        self.restarts = 0
+        self.closing = False
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        handles = await asyncio.gather(*[self._loop.run_in_executor(None, self._spawn, i) for i in range(self.size)])
+        for h in handles:
+            self._attach(h)
+        self.workers = list(handles)
+        # A first round trip proves every worker imported its envs.
+        await asyncio.gather(*[self.call(w, "ping", None) for w in self.workers])
+
+    def _spawn(self, slot: int) -> WorkerHandle:
+        return WorkerHandle(slot, self._ctx, self._preload)
+
+    def _attach(self, h: WorkerHandle) -> None:
+        h.attach(self._loop)
+        self._loop.add_reader(h.conn.fileno(), self._on_readable, h)
+
+    def _on_readable(self, h: WorkerHandle) -> None:
+        try:
+            while h.conn.poll():
+                request_id, result = h.conn.recv()
+                entry = h.pending.get(request_id)
+                if entry is None:
+                    continue
+                target, expected = entry
+                if expected is None:  # a single reply
+                    del h.pending[request_id]
+                    if not target.done():
+                        target.set_result(result)
+                else:  # one reply per item
+                    target(result)
+                    expected[0] -= 1
+                    if expected[0] == 0:
+                        del h.pending[request_id]
+        except (EOFError, OSError, ConnectionResetError):
+            self._handle_death(h)
+
+    def _handle_death(self, h: WorkerHandle) -> None:
+        if not h.alive:
+            return
+        h.alive = False
+        self._loop.remove_reader(h.conn.fileno())
+        h.close_pipes()
+        pending, h.pending = h.pending, {}
+        for target, expected in pending.values():
+            if expected is None:
+                if not target.done():
+                    target.set_exception(WorkerLost(f"worker {h.slot} died"))
+            else:
+                target(WorkerLost(f"worker {h.slot} died"))
+        if self.closing:
+            return
+        log.warning("worker %d (pid %s) died; %d sessions lost", h.slot, h.pid, len(h.sessions))
+        self._on_death(h)
+        self.restarts += 1
+        self._loop.create_task(self._replace(h))
+
+    async def _replace(self, dead: WorkerHandle) -> None:
+        await self._loop.run_in_executor(None, dead.process.join, 1.0)
+        new = await self._loop.run_in_executor(None, self._spawn, dead.slot)
+        if self.closing:
+            new.process.kill()
+            return
+        self._attach(new)
+        self.workers[dead.slot] = new
+
+    def alive_workers(self) -> list[WorkerHandle]:
+        return [w for w in self.workers if w.alive]
+
+    def call(self, h: WorkerHandle, op: str, payload) -> asyncio.Future:
+        """One request, one reply."""
+        fut = self._loop.create_future()
+        if not h.alive:
+            fut.set_exception(WorkerLost(f"worker {h.slot} is not running"))
+            return fut
+        request_id = next(self._ids)
+        h.pending[request_id] = (fut, None)
+        h.send((request_id, op, payload))
+        return fut
+
+    def stream(self, h: WorkerHandle, items: list, on_item: Callable) -> None:
+        """Per-item replies: on_item((index, bytes, seconds)) or on_item(WorkerLost) once for all."""
+        if not h.alive:
+            on_item(WorkerLost(f"worker {h.slot} is not running"))
+            return
+        request_id = next(self._ids)
+        h.pending[request_id] = (on_item, [len(items)])
+        h.send((request_id, "stream", items))
+
+    def check_processes(self) -> None:
+        """Catch a death the pipe has not reported yet."""
+        for h in list(self.workers):
+            if h.alive and not h.process.is_alive():
+                self._handle_death(h)
+
+    async def close(self) -> None:
+        self.closing = True
+        for h in self.workers:
+            if h.alive:
+                self._loop.remove_reader(h.conn.fileno())
+                h.alive = False
+            h.close_pipes()
+        for h in self.workers:
+            await self._loop.run_in_executor(None, h.process.join, 2.0)
+            if h.process.is_alive():
+                h.process.kill()

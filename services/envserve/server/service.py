@@ -1,0 +1,446 @@
+"""The replica: EnvService and StateService over a pool of worker processes."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf import json_format
+
+from envserve.core.env import resolve_config
+from envserve.core.registry import get_env_class
+from envserve.core.session import full_spec
+from envserve.v1 import envserve_pb2 as pb
+from envserve.v1 import envserve_pb2_grpc as pb_grpc
+
+from . import convert
+from .config import ServerConfig
+from .metrics import Metrics
+from .pool import WorkerHandle, WorkerLost, WorkerPool
+
+log = logging.getLogger("envserve.server")
+OK = 0
+LOST = "DATA_LOSS"
+
+
+@dataclass
+class SessionRecord:
+    env_id: str
+    worker: WorkerHandle
+    deadline: float
+
+
+class Replica:
+    """Session bookkeeping shared by both services."""
+
+    def __init__(self, config: ServerConfig, metrics: Metrics):
+        self.config = config
+        self.metrics = metrics
+        self.replica_id = ""
+        self.env_ids = list(config.env_ids)
+        self.specs = {e: get_env_class(e).spec for e in self.env_ids}
+        self.sessions: dict[str, SessionRecord] = {}
+        self.lost: dict[str, tuple[str, float]] = {}
+        self.pool = WorkerPool(config.resolved_workers(), self.env_ids, self._on_worker_death)
+        self.draining = False
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._reaper: asyncio.Task | None = None
+
+    async def start(self, replica_id: str) -> None:
+        self.replica_id = replica_id
+        await self.pool.start()
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_loop())
+
+    async def close(self) -> None:
+        if self._reaper:
+            self._reaper.cancel()
+        await self.pool.close()
+
+    # -- in-flight accounting, for drain --------------------------------------------------
+    def enter(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    # -- sessions -------------------------------------------------------------------------
+    def new_session_id(self) -> str:
+        return f"{self.replica_id}/{secrets.token_hex(8)}"
+
+    def lookup(self, sid: str) -> tuple[SessionRecord | None, str, str]:
+        """The session's record, or an error (code, message). Any lookup renews the lease."""
+        rec = self.sessions.get(sid)
+        if rec is not None:
+            rec.deadline = time.monotonic() + self.config.lease_seconds
+            return rec, "", ""
+        if sid in self.lost:
+            return None, LOST, f"session lost: {self.lost[sid][0]}"
+        return None, "NOT_FOUND", f"unknown session {sid!r} (closed, expired or never opened)"
+
+    def add_sessions(self, ids: list[str], env_id: str, worker: WorkerHandle) -> None:
+        deadline = time.monotonic() + self.config.lease_seconds
+        for sid in ids:
+            self.sessions[sid] = SessionRecord(env_id, worker, deadline)
+            worker.sessions.add(sid)
+        self.metrics.live_sessions.labels(env_id).inc(len(ids))
+
+    def drop_session(self, sid: str) -> SessionRecord | None:
+        rec = self.sessions.pop(sid, None)
+        if rec is not None:
+            rec.worker.sessions.discard(sid)
+            self.metrics.live_sessions.labels(rec.env_id).dec()
+        return rec
+
+    def _on_worker_death(self, h: WorkerHandle) -> None:
+        until = time.monotonic() + self.config.lost_memory_seconds
+        reason = f"its worker process (pid {h.pid}) died"
+        for sid in list(h.sessions):
+            self.drop_session(sid)
+            self.lost[sid] = (reason, until)
+        self.metrics.sessions_lost.inc(len(h.sessions))
+        self.metrics.worker_restarts.inc()
+
+    def pick_workers(self, n: int) -> list[WorkerHandle]:
+        """Spread n new sessions over the live workers, least loaded first."""
+        workers = self.pool.alive_workers()
+        if not workers:
+            return []
+        load = {w.slot: len(w.sessions) for w in workers}
+        chosen = []
+        for _ in range(n):
+            w = min(workers, key=lambda w: load[w.slot])
+            load[w.slot] += 1
+            chosen.append(w)
+        return chosen
+
+    async def _reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.reap_interval())
+            try:
+                self.pool.check_processes()
+                await self.reap()
+            except Exception:
+                log.exception("reaper failed")
+
+    async def reap(self) -> int:
+        now = time.monotonic()
+        expired = [sid for sid, rec in self.sessions.items() if rec.deadline <= now]
+        for sid, (_, until) in list(self.lost.items()):
+            if until <= now:
+                del self.lost[sid]
+        if expired:
+            await self.close_sessions(expired)
+            self.metrics.sessions_reaped.inc(len(expired))
+            log.info("reaped %d idle sessions", len(expired))
+        return len(expired)
+
+    async def close_sessions(self, ids: list[str]) -> list[pb.ItemStatus]:
+        statuses: list[pb.ItemStatus] = []
+        by_worker: dict[int, tuple[WorkerHandle, list[str]]] = {}
+        for sid in ids:
+            rec = self.drop_session(sid)
+            if rec is None:
+                _, code, message = self.lookup(sid)
+                statuses.append(pb.ItemStatus(code=convert.code_number(code), message=message))
+                self.lost.pop(sid, None)
+                continue
+            statuses.append(pb.ItemStatus(code=OK))
+            by_worker.setdefault(rec.worker.slot, (rec.worker, []))[1].append(sid)
+        calls = [self.pool.call(w, "close", sids) for w, sids in by_worker.values()]
+        for r in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(r, Exception) and not isinstance(r, WorkerLost):
+                log.warning("close failed: %s", r)
+        return statuses
+
+    # -- batches --------------------------------------------------------------------------
+    def route(self, items: list[tuple]) -> tuple[list, dict]:
+        """Split items ((kind, sid, ...)) by worker. Returns per-index errors and worker groups."""
+        results: list = [None] * len(items)
+        groups: dict[int, tuple[WorkerHandle, list[int], list[tuple]]] = {}
+        for i, item in enumerate(items):
+            sid = item[1]
+            rec, code, message = self.lookup(sid)
+            if rec is None:
+                results[i] = convert.error_result(sid, code, message).SerializeToString()
+                self.metrics.errors.labels(code).inc()
+                continue
+            g = groups.setdefault(rec.worker.slot, (rec.worker, [], []))
+            g[1].append(i)
+            g[2].append(item)
+        return results, groups
+
+    async def run_batch(self, items: list[tuple]) -> bytes:
+        results, groups = self.route(items)
+        calls = [self.pool.call(w, "batch", group_items) for w, _, group_items in groups.values()]
+        replies = await asyncio.gather(*calls, return_exceptions=True)
+        for (w, indices, group_items), reply in zip(groups.values(), replies):
+            if isinstance(reply, BaseException):
+                for i, item in zip(indices, group_items):
+                    results[i] = self.lost_result(item[1], reply)
+                continue
+            for i, item, (data, seconds) in zip(indices, group_items, reply):
+                results[i] = data
+                rec = self.sessions.get(item[1])
+                if rec is not None:
+                    self.metrics.observe_step(rec.env_id, seconds)
+        return convert.frame_repeated(1, results)
+
+    def lost_result(self, sid: str, exc: BaseException) -> bytes:
+        self.metrics.errors.labels(LOST).inc()
+        _, code, message = self.lookup(sid)
+        if code != LOST:
+            code, message = LOST, f"session lost: {exc}"
+        return convert.error_result(sid, code, message).SerializeToString()
+
+
+def _reset_item(it: pb.ResetItem) -> tuple:
+    return ("reset", it.session_id, it.seed if it.HasField("seed") else None, it.task_id, it.split, it.same_task)
+
+
+class EnvService(pb_grpc.EnvServiceServicer):
+    def __init__(self, replica: Replica):
+        self.r = replica
+
+    async def ListEnvs(self, request, context):
+        return pb.ListEnvsResponse(envs=[convert.spec_to_proto(s) for s in self.r.specs.values()],
+                                   replica_id=self.r.replica_id)
+
+    async def GetSpec(self, request, context):
+        spec = self.r.specs.get(request.env_id)
+        if spec is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"env {request.env_id!r} is not served here; served: {self.r.env_ids}")
+        return convert.spec_to_proto(spec)
+
+    async def Open(self, request, context):
+        r = self.r
+        if r.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "replica is draining; open sessions elsewhere")
+        spec = r.specs.get(request.env_id)
+        if spec is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"env {request.env_id!r} is not served here; served: {r.env_ids}")
+        count = request.count or 1
+        if count < 0 or count > r.config.max_open_per_call:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"count must be 1..{r.config.max_open_per_call}, got {request.count}")
+        if len(r.sessions) + count > r.config.max_sessions:
+            r.metrics.errors.labels("RESOURCE_EXHAUSTED").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"replica is full: {len(r.sessions)} of {r.config.max_sessions} sessions open")
+        config = json_format.MessageToDict(request.config) if request.HasField("config") else {}
+        try:
+            resolve_config(full_spec(spec), config)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        workers = r.pick_workers(count)
+        if not workers:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is running; try again shortly")
+        r.enter()
+        try:
+            ids = [r.new_session_id() for _ in range(count)]
+            plan: dict[int, tuple[WorkerHandle, list[str]]] = {}
+            for sid, w in zip(ids, workers):
+                plan.setdefault(w.slot, (w, []))[1].append(sid)
+            calls = [r.pool.call(w, "open", (request.env_id, config, request.action_format, sids))
+                     for w, sids in plan.values()]
+            replies = await asyncio.gather(*calls, return_exceptions=True)
+            failure = None
+            for (w, sids), reply in zip(plan.values(), replies):
+                if isinstance(reply, BaseException) or reply[0] != "ok":
+                    failure = failure or reply
+                else:
+                    r.add_sessions(sids, request.env_id, w)
+            if failure is not None:
+                await r.close_sessions([sid for sid in ids if sid in r.sessions])
+                if isinstance(failure, BaseException):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"open failed: {failure}")
+                await context.abort(getattr(grpc.StatusCode, failure[1]), failure[2])
+            return pb.OpenResponse(session_ids=ids, lease_seconds=r.config.lease_seconds)
+        finally:
+            r.leave()
+
+    async def Reset(self, request, context):
+        return await self._batch([_reset_item(it) for it in request.items])
+
+    async def Step(self, request, context):
+        return await self._batch([("step", it.session_id, _cap(it.action)) for it in request.items])
+
+    async def _batch(self, items) -> bytes:
+        # Returns the serialized BatchResponse: worker-made results are framed, not re-encoded.
+        self.r.enter()
+        try:
+            return await self.r.run_batch(items)
+        finally:
+            self.r.leave()
+
+    async def Interact(self, request_iterator, context):
+        """Results stream back as workers finish them; whatever is ready when the writer wakes
+        travels in one response. Returns serialized InteractResponses (see app.py)."""
+        r = self.r
+        loop = asyncio.get_running_loop()
+        ready: list[bytes] = []
+        wake = asyncio.Event()
+        # Items arriving together are sent to each worker as one message, flushed on the next loop turn.
+        outgoing: dict[int, tuple[WorkerHandle, list]] = {}
+        state = {"pending": 0, "reading": True, "flush_scheduled": False}
+
+        def emit(tag: int, data: bytes) -> None:
+            state["pending"] -= 1
+            ready.append(convert.interact_result(tag, data))
+            wake.set()
+
+        def flush() -> None:
+            state["flush_scheduled"] = False
+            batches = list(outgoing.values())
+            outgoing.clear()
+            for w, entries in batches:
+                tags = [e[0] for e in entries]
+                sids = [e[1][1] for e in entries]
+                done = [False] * len(entries)
+
+                def on_item(result, tags=tags, sids=sids, done=done):
+                    if isinstance(result, BaseException):
+                        for i, finished in enumerate(done):
+                            if not finished:
+                                done[i] = True
+                                emit(tags[i], r.lost_result(sids[i], result))
+                        return
+                    index, data, seconds = result
+                    done[index] = True
+                    rec = r.sessions.get(sids[index])
+                    if rec is not None:
+                        r.metrics.observe_step(rec.env_id, seconds)
+                    emit(tags[index], data)
+
+                r.pool.stream(w, [e[1] for e in entries], on_item)
+
+        def accept(it: pb.InteractItem) -> None:
+            state["pending"] += 1
+            kind = it.WhichOneof("request")
+            if kind == "step":
+                item = ("step", it.step.session_id, _cap(it.step.action))
+            elif kind == "reset":
+                item = _reset_item(it.reset)
+            else:
+                emit(it.tag, convert.error_result("", "INVALID_ARGUMENT",
+                                                  "item holds neither step nor reset").SerializeToString())
+                return
+            rec, code, message = r.lookup(item[1])
+            if rec is None:
+                r.metrics.errors.labels(code).inc()
+                emit(it.tag, convert.error_result(item[1], code, message).SerializeToString())
+                return
+            outgoing.setdefault(rec.worker.slot, (rec.worker, []))[1].append((it.tag, item))
+
+        async def read_requests():
+            try:
+                async for req in request_iterator:
+                    for it in req.items:
+                        accept(it)
+                    if outgoing and not state["flush_scheduled"]:
+                        state["flush_scheduled"] = True
+                        loop.call_soon(flush)
+            finally:
+                state["reading"] = False
+                wake.set()
+
+        r.enter()
+        reader = loop.create_task(read_requests())
+        try:
+            while True:
+                await wake.wait()
+                wake.clear()
+                if ready:
+                    data = convert.frame_repeated(1, ready)
+                    ready.clear()
+                    yield data
+                if not state["reading"] and state["pending"] <= 0 and not ready:
+                    break
+        finally:
+            reader.cancel()
+            r.leave()
+
+    async def Fork(self, request, context):
+        r = self.r
+        if r.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "replica is draining; fork elsewhere")
+        rec, code, message = r.lookup(request.session_id)
+        if rec is None:
+            await context.abort(getattr(grpc.StatusCode, code), message)
+        count = request.count or 1
+        if count < 0 or count > r.config.max_open_per_call:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"count must be 1..{r.config.max_open_per_call}")
+        if len(r.sessions) + count > r.config.max_sessions:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"replica is full: {len(r.sessions)} of {r.config.max_sessions} sessions open")
+        r.enter()
+        try:
+            try:
+                reply = await r.pool.call(rec.worker, "export", request.session_id)
+            except WorkerLost as e:
+                await context.abort(grpc.StatusCode.DATA_LOSS, f"session lost: {e}")
+            if reply[0] != "ok":
+                await context.abort(getattr(grpc.StatusCode, reply[1]), reply[2])
+            blob = reply[1]
+            ids = [r.new_session_id() for _ in range(count)]
+            plan: dict[int, tuple[WorkerHandle, list[str]]] = {}
+            for sid, w in zip(ids, r.pick_workers(count)):
+                plan.setdefault(w.slot, (w, []))[1].append(sid)
+            replies = await asyncio.gather(*[r.pool.call(w, "adopt", (blob, sids)) for w, sids in plan.values()],
+                                           return_exceptions=True)
+            failure = None
+            for (w, sids), rep in zip(plan.values(), replies):
+                if isinstance(rep, BaseException) or rep[0] != "ok":
+                    failure = failure or rep
+                else:
+                    r.add_sessions(sids, rec.env_id, w)
+            if failure is not None:
+                await r.close_sessions([sid for sid in ids if sid in r.sessions])
+                if isinstance(failure, BaseException):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"fork failed: {failure}")
+                await context.abort(getattr(grpc.StatusCode, failure[1]), failure[2])
+            return pb.ForkResponse(session_ids=ids)
+        finally:
+            r.leave()
+
+    async def Close(self, request, context):
+        return pb.CloseResponse(statuses=await self.r.close_sessions(list(request.session_ids)))
+
+
+def _cap(action: str) -> str:
+    # Sessions reject texts over their own limit; never ship megabytes to a worker for that.
+    return action if len(action) <= 1_048_576 else action[:1_048_577]
+
+
+class StateService(pb_grpc.StateServiceServicer):
+    def __init__(self, replica: Replica):
+        self.r = replica
+
+    async def GetState(self, request, context):
+        rec, code, message = self.r.lookup(request.session_id)
+        if rec is None:
+            await context.abort(getattr(grpc.StatusCode, code), message)
+        episode = request.episode if request.HasField("episode") else None
+        try:
+            reply = await self.r.pool.call(rec.worker, "get_state", (request.session_id, request.turn, episode))
+        except WorkerLost as e:
+            await context.abort(grpc.StatusCode.DATA_LOSS, f"session lost: {e}")
+        if reply[0] != "ok":
+            await context.abort(getattr(grpc.StatusCode, reply[1]), reply[2])
+        return pb.GetStateResponse.FromString(reply[1])

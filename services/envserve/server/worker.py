@@ -1,0 +1,146 @@
+"""A worker process: holds many sessions and runs the operations the front sends it.
+
+Messages in: (request_id, op, payload). Replies: (request_id, result) once per request,
+except op "stream", which replies (request_id, (index, result)) per item as soon as that
+item is done, so Interact can forward each result without waiting for the rest.
+A failure of one item is that item's result, never the worker's.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import signal
+import time
+import traceback
+
+from envserve.core.session import Session, SessionError
+from envserve.server import convert
+
+
+def _malloc_trim() -> None:
+    # Give freed heap pages back to the OS after closing sessions (glibc only).
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+class Worker:
+    def __init__(self) -> None:
+        self.sessions: dict[str, Session] = {}
+
+    # Each op returns what the front receives; per-item ops return serialized StepResults.
+    def op_open(self, payload):
+        env_id, config, action_format, ids = payload
+        made = {}
+        try:
+            for sid in ids:
+                made[sid] = Session(env_id, config, action_format)
+        except SessionError as e:
+            for s in made.values():
+                s.close()
+            return ("error", e.code, e.message)
+        self.sessions.update(made)
+        return ("ok",)
+
+    def _item(self, sid: str, fn) -> bytes:
+        session = self.sessions.get(sid)
+        if session is None:
+            return convert.error_result(sid, "NOT_FOUND", f"unknown session {sid}").SerializeToString()
+        try:
+            return convert.turn_to_proto(sid, fn(session)).SerializeToString()
+        except SessionError as e:
+            return convert.error_result(sid, e.code, e.message).SerializeToString()
+        except Exception as e:  # an env bug fails its item, not the batch
+            traceback.print_exc()
+            return convert.error_result(sid, "INTERNAL", f"{type(e).__name__}: {e}").SerializeToString()
+
+    def run_item(self, item) -> bytes:
+        kind = item[0]
+        if kind == "step":
+            _, sid, action = item
+            return self._item(sid, lambda s: s.step(action))
+        _, sid, seed, task_id, split, same_task = item
+        return self._item(sid, lambda s: s.reset(seed, task_id, split, same_task))
+
+    def op_batch(self, items):
+        out = []
+        for item in items:
+            t0 = time.perf_counter()
+            data = self.run_item(item)
+            out.append((data, time.perf_counter() - t0))
+        return out
+
+    def op_close(self, ids):
+        found = []
+        for sid in ids:
+            s = self.sessions.pop(sid, None)
+            found.append(s is not None)
+            if s is not None:
+                try:
+                    s.close()
+                except Exception:
+                    traceback.print_exc()
+        gc.collect()
+        _malloc_trim()
+        return found
+
+    def op_export(self, sid):
+        s = self.sessions.get(sid)
+        if s is None:
+            return ("error", "NOT_FOUND", f"unknown session {sid}")
+        return ("ok", s.to_blob())
+
+    def op_adopt(self, payload):
+        blob, ids = payload
+        try:
+            for sid in ids:
+                self.sessions[sid] = Session.from_blob(blob)
+        except SessionError as e:
+            return ("error", e.code, e.message)
+        except Exception as e:
+            traceback.print_exc()
+            return ("error", "INTERNAL", f"fork failed: {type(e).__name__}: {e}")
+        return ("ok",)
+
+    def op_get_state(self, payload):
+        sid, turn, episode = payload
+        s = self.sessions.get(sid)
+        if s is None:
+            return ("error", "NOT_FOUND", f"unknown session {sid}")
+        try:
+            return ("ok", convert.state_to_proto(sid, s.get_state(turn, episode)).SerializeToString())
+        except SessionError as e:
+            return ("error", e.code, e.message)
+
+    def op_ping(self, payload):
+        return os.getpid()
+
+
+def worker_main(requests, replies, preload: list[str]) -> None:
+    # The front handles signals; a worker only dies with it or when killed.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    from envserve.core.registry import get_env_class
+    for env_id in preload:
+        get_env_class(env_id)  # import heavy packages before the first session
+    worker = Worker()
+    ops = {name[3:]: getattr(worker, name) for name in dir(worker) if name.startswith("op_")}
+    while True:
+        try:
+            request_id, op, payload = requests.recv()
+        except (EOFError, OSError):
+            return  # the front is gone
+        if op == "stream":
+            for index, item in enumerate(payload):
+                t0 = time.perf_counter()
+                data = worker.run_item(item)
+                replies.send((request_id, (index, data, time.perf_counter() - t0)))
+            continue
+        try:
+            result = ops[op](payload)
+        except Exception as e:
+            traceback.print_exc()
+            result = ("error", "INTERNAL", f"{type(e).__name__}: {e}")
+        replies.send((request_id, result))
