@@ -1,0 +1,40 @@
+"""Building requests, shared by the sync and async clients."""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Sequence
+
+from google.protobuf import struct_pb2
+
+from envserve.v1 import envserve_pb2 as pb
+
+
+def open_request(env_id: str, count: int, config: Mapping[str, Any] | None, action_format: str) -> pb.OpenRequest:
+    req = pb.OpenRequest(env_id=env_id, count=count, action_format=action_format)
+    if config:
+        s = struct_pb2.Struct()
+        s.update(dict(config))
+        req.config.CopyFrom(s)
+    return req
+
+
+def reset_item(session_id: str, seed: int | None = None, task_id: str = "", split: str = "",
+               same_task: bool = False) -> pb.ResetItem:
+    item = pb.ResetItem(session_id=session_id, task_id=task_id, split=split, same_task=same_task)
+    if seed is not None:
+        item.seed = int(seed)
+    return item
+
+
+def reset_request(session_ids: Sequence[str], seeds=None, task_id: str = "", split: str = "",
+                  same_task: bool = False) -> pb.ResetRequest:
+    if seeds is None or isinstance(seeds, int):
+        seeds = [seeds] * len(session_ids)
+    if len(seeds) != len(session_ids):
+        raise ValueError("one seed per session")
+    return pb.ResetRequest(items=[reset_item(s, seed, task_id, split, same_task)
+                                  for s, seed in zip(session_ids, seeds)])
+
+
+def step_request(actions: "Mapping[str, str] | Iterable[tuple[str, str]]") -> pb.StepRequest:
+    pairs = actions.items() if isinstance(actions, Mapping) else actions
+    return pb.StepRequest(items=[pb.StepItem(session_id=s, action=a) for s, a in pairs])

@@ -1,0 +1,135 @@
+"""AsyncEnvClient: asyncio client with EnvPool-style send/recv over the Interact stream."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
+
+import grpc
+
+from envserve.v1 import envserve_pb2 as pb
+from envserve.v1 import envserve_pb2_grpc as pb_grpc
+
+from . import _requests as rq
+from .client import CHANNEL_OPTIONS
+from .errors import from_rpc_error
+
+
+class AsyncEnvClient:
+    def __init__(self, address: str, timeout: float | None = 60.0):
+        self.address = address
+        self.timeout = timeout
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.env = pb_grpc.EnvServiceStub(self.channel)
+        self.state = pb_grpc.StateServiceStub(self.channel)
+
+    async def _call(self, method, request):
+        try:
+            return await method(request, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    async def open(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
+                   action_format: str = "") -> list[str]:
+        return list((await self._call(self.env.Open, rq.open_request(env_id, count, config, action_format))).session_ids)
+
+    async def reset(self, session_ids: Sequence[str], seeds=None, task_id: str = "", split: str = "",
+                    same_task: bool = False) -> list[pb.StepResult]:
+        req = rq.reset_request(session_ids, seeds, task_id, split, same_task)
+        return list((await self._call(self.env.Reset, req)).results)
+
+    async def step(self, actions) -> list[pb.StepResult]:
+        return list((await self._call(self.env.Step, rq.step_request(actions))).results)
+
+    async def fork(self, session_id: str, count: int = 1) -> list[str]:
+        return list((await self._call(self.env.Fork, pb.ForkRequest(session_id=session_id, count=count))).session_ids)
+
+    async def close_sessions(self, session_ids: Sequence[str]) -> list[pb.ItemStatus]:
+        return list((await self._call(self.env.Close, pb.CloseRequest(session_ids=list(session_ids)))).statuses)
+
+    async def get_state(self, session_id: str, turn: int = -1, episode: int | None = None) -> pb.GetStateResponse:
+        req = pb.GetStateRequest(session_id=session_id, turn=turn)
+        if episode is not None:
+            req.episode = episode
+        return await self._call(self.state.GetState, req)
+
+    def stream(self) -> "InteractStream":
+        return InteractStream(self.env)
+
+    async def step_as_completed(self, actions: "Mapping[str, str] | Iterable[tuple[str, str]]"
+                                ) -> AsyncIterator[pb.StepResult]:
+        """Step a batch and yield each result as soon as its session is done."""
+        pairs = list(actions.items() if isinstance(actions, Mapping) else actions)
+        async with self.stream() as s:
+            s.send_steps(pairs)
+            while s.in_flight:
+                for _, result in await s.recv():
+                    yield result
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+
+class InteractStream:
+    """One Interact call, EnvPool style: send_* return tags at once; recv() returns the
+    (tag, StepResult) pairs that are ready, whichever sessions finish first (at least one)."""
+
+    _END = object()
+
+    def __init__(self, stub: pb_grpc.EnvServiceStub):
+        self._stub = stub
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self._tags = itertools.count(1)
+        self._call = None
+        self.in_flight = 0
+
+    async def _requests(self):
+        while True:
+            req = await self._outbox.get()
+            if req is self._END:
+                return
+            yield req
+
+    async def __aenter__(self) -> "InteractStream":
+        self._call = self._stub.Interact(self._requests())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._outbox.put_nowait(self._END)
+        if exc[0] is not None or self.in_flight:
+            self._call.cancel()
+
+    def _send(self, items: list[pb.InteractItem]) -> list[int]:
+        if items:
+            self._outbox.put_nowait(pb.InteractRequest(items=items))
+            self.in_flight += len(items)
+        return [it.tag for it in items]
+
+    def send_steps(self, actions: "Mapping[str, str] | Iterable[tuple[str, str]]") -> list[int]:
+        pairs = actions.items() if isinstance(actions, Mapping) else actions
+        return self._send([pb.InteractItem(tag=next(self._tags), step=pb.StepItem(session_id=sid, action=a))
+                           for sid, a in pairs])
+
+    def send_step(self, session_id: str, action: str) -> int:
+        return self.send_steps([(session_id, action)])[0]
+
+    def send_reset(self, session_id: str, seed: int | None = None, task_id: str = "", split: str = "",
+                   same_task: bool = False) -> int:
+        item = rq.reset_item(session_id, seed, task_id, split, same_task)
+        return self._send([pb.InteractItem(tag=next(self._tags), reset=item)])[0]
+
+    async def recv(self) -> list[tuple[int, pb.StepResult]]:
+        try:
+            resp = await self._call.read()
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        if resp is grpc.aio.EOF:
+            raise EOFError("Interact stream ended")
+        self.in_flight -= len(resp.results)
+        return [(r.tag, r.result) for r in resp.results]

@@ -1,0 +1,100 @@
+"""EnvClient: a thin synchronous client over the envserve.v1 protocol."""
+from __future__ import annotations
+
+import io
+from typing import Any, Iterable, Mapping, Sequence
+
+import grpc
+
+from envserve.v1 import envserve_pb2 as pb
+from envserve.v1 import envserve_pb2_grpc as pb_grpc
+
+from . import _requests as rq
+from .errors import check, from_rpc_error
+
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                   ("grpc.max_send_message_length", 64 * 1024 * 1024)]
+
+
+class EnvClient:
+    """Batch calls return one StepResult per item, in order; an item's failure is in its
+    `status` (see errors.check), never an exception for the whole batch. Calls that fail as a
+    whole raise EnvServeError subclasses carrying the gRPC code."""
+
+    def __init__(self, address: str, timeout: float | None = 60.0, channel: grpc.Channel | None = None):
+        self.address = address
+        self.timeout = timeout
+        self.channel = channel or grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.env = pb_grpc.EnvServiceStub(self.channel)
+        self.state = pb_grpc.StateServiceStub(self.channel)
+
+    def _call(self, method, request):
+        try:
+            return method(request, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def list_envs(self) -> list[pb.EnvSpec]:
+        return list(self._call(self.env.ListEnvs, pb.ListEnvsRequest()).envs)
+
+    def get_spec(self, env_id: str) -> pb.EnvSpec:
+        return self._call(self.env.GetSpec, pb.GetSpecRequest(env_id=env_id))
+
+    def open(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
+             action_format: str = "") -> list[str]:
+        return list(self._call(self.env.Open, rq.open_request(env_id, count, config, action_format)).session_ids)
+
+    def reset(self, session_ids: Sequence[str], seeds: "int | Sequence[int | None] | None" = None,
+              task_id: str = "", split: str = "", same_task: bool = False) -> list[pb.StepResult]:
+        req = rq.reset_request(session_ids, seeds, task_id, split, same_task)
+        return list(self._call(self.env.Reset, req).results)
+
+    def step(self, actions: "Mapping[str, str] | Iterable[tuple[str, str]]") -> list[pb.StepResult]:
+        return list(self._call(self.env.Step, rq.step_request(actions)).results)
+
+    def reset_one(self, session_id: str, seed: int | None = None, **kw) -> pb.StepResult:
+        return check(self.reset([session_id], [seed], **kw)[0])
+
+    def step_one(self, session_id: str, action: str) -> pb.StepResult:
+        return check(self.step([(session_id, action)])[0])
+
+    def fork(self, session_id: str, count: int = 1) -> list[str]:
+        return list(self._call(self.env.Fork, pb.ForkRequest(session_id=session_id, count=count)).session_ids)
+
+    def close_sessions(self, session_ids: Sequence[str]) -> list[pb.ItemStatus]:
+        return list(self._call(self.env.Close, pb.CloseRequest(session_ids=list(session_ids))).statuses)
+
+    def get_state(self, session_id: str, turn: int = -1, episode: int | None = None) -> pb.GetStateResponse:
+        req = pb.GetStateRequest(session_id=session_id, turn=turn)
+        if episode is not None:
+            req.episode = episode
+        return self._call(self.state.GetState, req)
+
+    def interact(self, requests: Iterable[pb.InteractRequest]):
+        """Blocking iterator over InteractResponses, in order of completion (see AsyncEnvClient.stream
+        for the send/recv interface)."""
+        try:
+            yield from self.env.Interact(iter(requests), timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def decode_image(image: pb.Image):
+    """A protocol Image as an RGB uint8 numpy array."""
+    import numpy as np
+    from PIL import Image as PILImage
+    return np.asarray(PILImage.open(io.BytesIO(image.png)).convert("RGB"))
+
+
+def state_dict(response: pb.GetStateResponse) -> dict:
+    from google.protobuf import json_format
+    return json_format.MessageToDict(response.state)

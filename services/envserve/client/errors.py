@@ -1,0 +1,62 @@
+"""Exceptions carrying the gRPC status code and message, for calls and for batch items."""
+from __future__ import annotations
+
+import grpc
+
+_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class EnvServeError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str, session_id: str = ""):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+        self.session_id = session_id
+
+
+class SessionLostError(EnvServeError):
+    """The session's worker or replica died; open a new session."""
+
+
+class SessionNotFoundError(EnvServeError):
+    """Closed, expired or never opened."""
+
+
+class ReplicaFullError(EnvServeError):
+    """The replica has max_sessions open; try another replica or later."""
+
+
+class UnavailableError(EnvServeError):
+    """The replica is draining or down."""
+
+
+_CLASSES = {
+    grpc.StatusCode.DATA_LOSS: SessionLostError,
+    grpc.StatusCode.NOT_FOUND: SessionNotFoundError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ReplicaFullError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+}
+
+
+def make_error(code: grpc.StatusCode, message: str, session_id: str = "") -> EnvServeError:
+    return _CLASSES.get(code, EnvServeError)(code, message, session_id)
+
+
+def from_rpc_error(e: grpc.RpcError) -> EnvServeError:
+    return make_error(e.code(), e.details() or "", "")
+
+
+def item_error(result) -> EnvServeError | None:
+    """The error of one batch item (a StepResult), or None when it succeeded."""
+    if result.status.code == 0:
+        return None
+    code = _BY_NUMBER.get(result.status.code, grpc.StatusCode.UNKNOWN)
+    return make_error(code, result.status.message, result.session_id)
+
+
+def check(result):
+    """Return the result, or raise its item error."""
+    err = item_error(result)
+    if err is not None:
+        raise err
+    return result
