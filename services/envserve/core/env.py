@@ -152,6 +152,11 @@ class Environment:
         """An RGB uint8 array (H, W, 3) of the current state; only envs with 'image' modality."""
         raise NotImplementedError(f"{self.spec.env_id} has no image observation")
 
+    def valid_actions(self) -> "list[str] | None":
+        """The legal primitive actions now (ALFWorld's admissible commands, the open cells of a
+        board...), or None when the env cannot list them."""
+        return None
+
     def anchor_data(self) -> Any:
         """What identifies the state for the anchor key; defaults to the ground-truth map."""
         return self.ground_truth().state

@@ -41,10 +41,11 @@ _TAG_RES = {t: _tag_re(t) for t in ("think", "answer", "observation", "reasoning
 _ANY_TAG = re.compile(r"</?\s*([a-zA-Z_]+)\s*>")
 
 
-def _only(text: str, tag: str) -> tuple[str | None, str]:
+def _only(text: str, tag: str, lowered: str | None = None) -> tuple[str | None, str]:
     """The content of exactly one <tag>..</tag>, or (None, reason)."""
-    opens = len(re.findall(rf"<{tag}>", text, re.IGNORECASE))
-    closes = len(re.findall(rf"</{tag}>", text, re.IGNORECASE))
+    low = text.lower() if lowered is None else lowered
+    opens = low.count(f"<{tag}>")
+    closes = low.count(f"</{tag}>")
     if opens == 0 and closes == 0:
         return None, f"missing <{tag}>...</{tag}>"
     if opens != 1 or closes != 1:
@@ -69,8 +70,9 @@ def _think_answer_parser(think_fields: tuple[str, ...], require_think: bool, exp
 
     def parse(text: str, sep: str) -> ParsedTurn:
         fields: dict[str, str] = {}
+        low = text.lower()
         if require_think:
-            think, why = _only(text, "think")
+            think, why = _only(text, "think", low)
             if think is None:
                 return _invalid(why, expected)
             fields["think"] = think.strip()
@@ -79,12 +81,12 @@ def _think_answer_parser(think_fields: tuple[str, ...], require_think: bool, exp
                 if value is None:
                     return _invalid(why + " inside <think>", expected, fields)
                 fields[f] = value.strip()
-        elif re.search(r"</?think>", text, re.IGNORECASE):
+        elif "<think>" in low or "</think>" in low:
             return _invalid("this format takes no <think>", expected)
-        answer, why = _only(text, "answer")
+        answer, why = _only(text, "answer", low)
         if answer is None:
             return _invalid(why, expected, fields)
-        if require_think and text.lower().find("<answer>") < text.lower().find("</think>"):
+        if require_think and low.find("<answer>") < low.find("</think>"):
             return _invalid("<answer> must follow </think>", expected, fields)
         actions = split_actions(answer, sep)
         if not actions:

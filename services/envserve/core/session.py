@@ -29,6 +29,7 @@ COMMON_CONFIG_DOCS = {
     "action_separator": "separator between several actions in one answer",
     "max_action_chars": "longer action texts are invalid",
     "history_turns": "ground-truth records kept per session for GetState",
+    "include_valid_actions": "list the legal actions in each result's info (valid_actions)",
 }
 
 
@@ -53,6 +54,7 @@ def session_config_defaults(spec: EnvSpec) -> dict:
         "action_separator": ",",
         "max_action_chars": 16384,
         "history_turns": 64,
+        "include_valid_actions": False,
     }
     common.update(spec.config_defaults)
     return common
@@ -67,7 +69,8 @@ def full_spec(spec: EnvSpec) -> EnvSpec:
 
 
 def state_key(data: Any) -> str:
-    blob = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    """A short canonical hash; strings are hashed as they are, anything else as sorted JSON."""
+    blob = data if isinstance(data, str) else json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.blake2b(blob.encode(), digest_size=8).hexdigest()
 
 
@@ -215,13 +218,16 @@ class Session:
     def _finish(self, result: TurnResult, executed: list[str]) -> TurnResult:
         truth = self.env.ground_truth()
         text = self.env.render_text()
-        anchor = state_key([self.env_id, self.env.anchor_data()])
-        result.transition = state_key([self.anchor, executed, anchor]) if executed else ""
+        data = self.env.anchor_data()
+        anchor = state_key(f"{self.env_id}\x1f{data}" if isinstance(data, str) else [self.env_id, data])
+        result.transition = state_key("\x1f".join([self.anchor, *executed, anchor])) if executed else ""
         self.anchor = anchor
         result.anchor = anchor
         result.text = text
         result.turn = self.turn
         result.episode = self.episode
+        if self.config["include_valid_actions"]:
+            result.info["valid_actions"] = list(self.env.valid_actions() or [])
         if self.config["render_image"]:
             result.image = self.env.render_image(int(self.config["image_size"]))
         self.history.append({

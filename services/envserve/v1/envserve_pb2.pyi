@@ -210,6 +210,12 @@ class BatchResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ...) -> None: ...
 
 class InteractRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[InteractItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[InteractItem, _Mapping]]] = ...) -> None: ...
+
+class InteractItem(_message.Message):
     __slots__ = ("tag", "reset", "step")
     TAG_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +226,12 @@ class InteractRequest(_message.Message):
     def __init__(self, tag: _Optional[int] = ..., reset: _Optional[_Union[ResetItem, _Mapping]] = ..., step: _Optional[_Union[StepItem, _Mapping]] = ...) -> None: ...
 
 class InteractResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[InteractResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[InteractResult, _Mapping]]] = ...) -> None: ...
+
+class InteractResult(_message.Message):
     __slots__ = ("tag", "result")
     TAG_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]

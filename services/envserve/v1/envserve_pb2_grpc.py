@@ -113,8 +113,9 @@ class EnvServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Interact(self, request_iterator, context):
-        """Requests are pipelined; each result is sent as soon as it is ready, so the
-        order of responses is the order of completion, matched by `tag`.
+        """EnvPool-style send/recv: requests are pipelined; each result is sent as soon as it
+        is ready (results ready together travel in one response), in order of completion,
+        matched by `tag`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

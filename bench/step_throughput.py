@@ -1,0 +1,186 @@
+"""Sokoban step throughput: in-process sessions vs the gRPC server (Step batches, Interact stream).
+
+Every figure is a ratio against the in-process baseline measured in the same run, so the
+numbers travel between machines. Run: `.venv/bin/python bench/step_throughput.py [--json]`.
+The last line with --json is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+
+import psutil
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+from envserve.client import AsyncEnvClient, EnvClient  # noqa: E402
+from envserve.core.session import Session  # noqa: E402
+from serverproc import ServerProcess  # noqa: E402
+
+ACTIONS = ["Up", "Left", "Down", "Right"]
+CONFIG = {"max_turns": 1_000_000}
+
+
+def action(i: int) -> str:
+    return f"<think>move</think><answer>{ACTIONS[i % 4]}</answer>"
+
+
+def in_process(n_sessions: int, seconds: float) -> tuple[float, list[float]]:
+    sessions = [Session("sokoban", CONFIG, "free_think") for _ in range(n_sessions)]
+    for i, s in enumerate(sessions):
+        s.reset(seed=i)
+    steps, lat, i = 0, [], 0
+    t_end = time.perf_counter() + seconds
+    t0 = time.perf_counter()
+    while time.perf_counter() < t_end:
+        for s in sessions:
+            t = time.perf_counter()
+            r = s.step(action(i))
+            lat.append(time.perf_counter() - t)
+            if r.done or r.truncated:
+                s.reset(seed=s.seed)
+            steps += 1
+        i += 1
+    return steps / (time.perf_counter() - t0), lat
+
+
+def grpc_batch(client: EnvClient, batch: int, seconds: float) -> float:
+    ids = client.open("sokoban", batch, CONFIG, "free_think")
+    client.reset(ids, seeds=list(range(batch)))
+    steps, i = 0, 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        results = client.step([(sid, action(i)) for sid in ids])
+        done = [k for k, r in enumerate(results) if r.done or r.truncated]
+        if done:
+            client.reset([ids[k] for k in done], seeds=done)
+        steps += batch
+        i += 1
+    rate = steps / (time.perf_counter() - t0)
+    client.close_sessions(ids)
+    return rate
+
+
+def grpc_latency(client: EnvClient, n: int) -> list[float]:
+    sid = client.open("sokoban", 1, CONFIG, "free_think")[0]
+    client.reset([sid], seeds=[0])
+    lat = []
+    for i in range(n):
+        t = time.perf_counter()
+        r = client.step([(sid, action(i))])[0]
+        lat.append(time.perf_counter() - t)
+        if r.done:
+            client.reset([sid], seeds=[0])
+    client.close_sessions([sid])
+    return lat
+
+
+async def interact(address: str, n_sessions: int, seconds: float) -> float:
+    """EnvPool-style: every session stays in flight; the sessions of each received batch of
+    results are sent their next step together."""
+    async with AsyncEnvClient(address) as ac:
+        ids = await ac.open("sokoban", n_sessions, CONFIG, "free_think")
+        await ac.reset(ids, seeds=list(range(n_sessions)))
+        steps = 0
+        async with ac.stream() as s:
+            tag_sid = dict(zip(s.send_steps([(sid, action(0)) for sid in ids]), ids))
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                ready = await s.recv()
+                steps += len(ready)
+                nxt = []
+                for tag, r in ready:
+                    sid = tag_sid.pop(tag)
+                    if r.done or r.truncated:
+                        tag_sid[s.send_reset(sid, seed=ids.index(sid))] = sid
+                    else:
+                        nxt.append((sid, action(steps + len(nxt))))
+                tag_sid.update(zip(s.send_steps(nxt), [sid for sid, _ in nxt]))
+            elapsed = time.perf_counter() - t0
+            while s.in_flight:
+                await s.recv()
+        await ac.close_sessions(ids)
+        return steps / elapsed
+
+
+def tree_rss(pid: int) -> int:
+    p = psutil.Process(pid)
+    return sum(q.memory_info().rss for q in [p, *p.children(recursive=True)])
+
+
+def grpc_floor(client: EnvClient, n: int) -> list[float]:
+    """Round trips of ListEnvs: what any unary call costs here before envserve does anything."""
+    lat = []
+    for _ in range(n):
+        t = time.perf_counter()
+        client.list_envs()
+        lat.append(time.perf_counter() - t)
+    return lat
+
+
+def idle_memory(client: EnvClient, pid: int, n: int = 1000) -> float:
+    """RSS of the server and its workers per idle (opened and reset) session, on a fresh server."""
+    warm = client.open("sokoban", 10)
+    client.reset(warm, seeds=list(range(10)))
+    client.close_sessions(warm)
+    time.sleep(0.5)
+    before = tree_rss(pid)
+    ids = []
+    for k in range(0, n, 250):
+        chunk = client.open("sokoban", 250)
+        client.reset(chunk, seeds=list(range(k, k + 250)))
+        ids += chunk
+    time.sleep(0.5)
+    after = tree_rss(pid)
+    client.close_sessions(ids)
+    return (after - before) / n / 1024
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--workers", type=int, default=0, help="server workers (0: one per CPU)")
+    args = ap.parse_args()
+
+    base_rate, base_lat = in_process(64, args.seconds)
+    out = {"inproc_steps_per_s": round(base_rate, 1)}
+    with ServerProcess(["sokoban"], workers=args.workers or (os.cpu_count() or 1), metrics=False) as server:
+        client = EnvClient(server.address)
+        for b in (1, 16, 64, 256):
+            rate = grpc_batch(client, b, args.seconds)
+            out[f"step_b{b}_steps_per_s"] = round(rate, 1)
+            out[f"ratio_step_b{b}"] = round(rate / base_rate, 3)
+        rate = asyncio.run(interact(server.address, 64, args.seconds))
+        out["interact_b64_steps_per_s"] = round(rate, 1)
+        out["ratio_interact_b64"] = round(rate / base_rate, 3)
+        lat = grpc_latency(client, 2000)
+        floor = grpc_floor(client, 2000)
+        out["inproc_latency_p50_ms"] = round(statistics.median(base_lat) * 1e3, 4)
+        out["grpc_latency_p50_ms"] = round(statistics.median(lat) * 1e3, 4)
+        out["added_latency_p50_ms"] = round((statistics.median(lat) - statistics.median(base_lat)) * 1e3, 4)
+        out["added_latency_p99_ms"] = round((pct(lat, 0.99) - pct(base_lat, 0.99)) * 1e3, 4)
+        out["grpc_floor_p50_ms"] = round(statistics.median(floor) * 1e3, 4)
+        client.close()
+    with ServerProcess(["sokoban"], workers=args.workers or (os.cpu_count() or 1), metrics=False) as server:
+        with EnvClient(server.address) as client:
+            out["kb_per_idle_session"] = round(idle_memory(client, server.proc.pid), 2)
+    if not args.json:
+        width = max(map(len, out))
+        for k, v in out.items():
+            print(f"{k:{width}s}  {v}")
+    print(json.dumps(out) if args.json else "")
+
+
+if __name__ == "__main__":
+    main()

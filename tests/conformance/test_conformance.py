@@ -1,0 +1,189 @@
+"""What every environment served by envserve must do, checked through the protocol only."""
+import json
+import random
+
+import grpc
+import pytest
+
+from envserve.client import check, decode_image, state_dict
+from envserve.client.errors import SessionNotFoundError
+
+CONFIG = {"include_valid_actions": True}
+SEEDS = [0, 1, 7, 123456]
+
+
+def answer(action: str) -> str:
+    return f"<answer>{action}</answer>"
+
+
+def open_one(client, env_id, config=None):
+    return client.open(env_id, 1, {**CONFIG, **(config or {})}, "no_think")[0]
+
+
+def policy_actions(result, spec, k=0):
+    """A deterministic legal action: the k-th of the valid actions the env lists, else of its action space."""
+    listed = list(result.info["valid_actions"]) if "valid_actions" in result.info else []
+    if not listed:
+        listed = [a.strip() for a in spec.action_space.split(",") if a.strip()]
+    return listed[k % len(listed)]
+
+
+def test_spec_is_complete(clients, env_id):
+    spec = clients[0].get_spec(env_id)
+    assert spec.env_id == env_id
+    assert spec.system_prompt.strip() and spec.description.strip() and spec.action_space.strip()
+    assert spec.max_turns > 0 and spec.max_actions_per_turn > 0
+    assert "text" in spec.modalities or "image" in spec.modalities
+    assert spec.default_action_format in spec.action_formats
+    schema = json.loads(spec.config_schema_json)
+    for key in ("max_turns", "max_actions_per_turn", "render_image", "format_penalty"):
+        assert "default" in schema["properties"][key]
+    assert spec.splits
+
+
+def test_lifecycle(clients, env_id):
+    c = clients[0]
+    spec = c.get_spec(env_id)
+    sid = open_one(c, env_id)
+    r = c.reset_one(sid, seed=3)
+    assert r.observation.text and r.turn == 0 and r.episode == 0 and r.anchor
+    assert not r.done
+    r = c.step_one(sid, answer(policy_actions(r, spec)))
+    assert r.action_valid and r.actions_executed == 1 and r.turn == 1
+    assert set(r.reward_components) and abs(sum(r.reward_components.values()) - r.reward) < 1e-9
+    assert [s.code for s in c.close_sessions([sid])] == [0]
+    with pytest.raises(SessionNotFoundError):
+        c.step_one(sid, answer("x"))
+
+
+def test_unknown_config_key_is_invalid_argument(clients, env_id):
+    from envserve.client.errors import EnvServeError
+    with pytest.raises(EnvServeError) as e:
+        clients[0].open(env_id, 1, {"no_such_key_anywhere": 1})
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_seed_determinism_across_processes(clients, env_id, seed):
+    seen = []
+    for c in clients:
+        sid = open_one(c, env_id)
+        r = c.reset_one(sid, seed=seed)
+        truth = c.get_state(sid, 0)
+        seen.append((r.observation.text, r.anchor, json.dumps(state_dict(truth), sort_keys=True),
+                     list(truth.relations)))
+        c.close_sessions([sid])
+    assert seen[0] == seen[1]
+
+
+def test_different_seeds_give_different_tasks(clients, env_id):
+    c = clients[0]
+    sid = open_one(c, env_id)
+    anchors = {c.reset_one(sid, seed=s).anchor for s in range(8)}
+    c.close_sessions([sid])
+    assert len(anchors) > 1
+
+
+def _play(c, spec, sid, steps, first):
+    out, r = [], first
+    for k in range(steps):
+        if r.done or r.truncated:
+            break
+        r = c.step_one(sid, answer(policy_actions(r, spec, k)))
+        truth = c.get_state(sid, -1)
+        out.append((r.observation.text, r.reward, r.done, r.success, r.anchor,
+                    json.dumps(state_dict(truth), sort_keys=True)))
+    return out
+
+
+def test_fork_equivalence(clients, env_id):
+    c = clients[0]
+    spec = c.get_spec(env_id)
+    sid = open_one(c, env_id)
+    r = c.reset_one(sid, seed=11)
+    r = c.step_one(sid, answer(policy_actions(r, spec, 1)))
+    forks = c.fork(sid, 2)
+    assert len(forks) == 2 and sid not in forks
+    # A fork starts where the original is, including the ground truth of earlier turns.
+    for f in forks:
+        assert c.get_state(f, 0).anchor == c.get_state(sid, 0).anchor
+        assert c.get_state(f, -1).anchor == r.anchor
+    trajectories = [_play(c, spec, s, 6, r) for s in [sid, *forks]]
+    assert trajectories[0] and trajectories[0] == trajectories[1] == trajectories[2]
+    c.close_sessions([sid, *forks])
+
+
+def test_ground_truth_matches_observation(clients, env_id):
+    c = clients[0]
+    spec = c.get_spec(env_id)
+    sid = open_one(c, env_id)
+    r = c.reset_one(sid, seed=5)
+    results = [r]
+    for k in range(4):
+        if r.done or r.truncated:
+            break
+        r = c.step_one(sid, answer(policy_actions(r, spec, k + 2)))
+        results.append(r)
+    for res in results:
+        truth = c.get_state(sid, res.turn)
+        assert truth.turn == res.turn and truth.episode == res.episode
+        assert truth.observation_text == res.observation.text
+        assert truth.anchor == res.anchor
+        assert state_dict(truth)
+    c.close_sessions([sid])
+
+
+def test_same_task_restarts_initial_state(clients, env_id):
+    c = clients[0]
+    spec = c.get_spec(env_id)
+    sid = open_one(c, env_id)
+    first = c.reset_one(sid, seed=9)
+    c.step_one(sid, answer(policy_actions(first, spec)))
+    again = check(c.reset([sid], same_task=True)[0])
+    assert again.episode == 1 and again.turn == 0
+    assert again.observation.text == first.observation.text and again.anchor == first.anchor
+    assert c.get_state(sid, 0, episode=0).anchor == first.anchor
+    fresh = c.reset_one(sid, seed=10)
+    assert fresh.episode == 0
+    c.close_sessions([sid])
+
+
+GARBAGE = ["", " ", "\x00\x01\x02", "<answer>", "</answer>", "<answer><answer>Up</answer>",
+           "<think><answer>Up</think></answer>", "<answer>" + "A" * 5000 + "</answer>",
+           "<answer>\u202e\ufeff</answer>", "<answer>, , ,</answer>", "<answer>(99, 99)</answer>",
+           "<answer>DROP TABLE</answer>", "<<<>>>", "<answer>Up" * 50, "x" * 20000]
+
+
+def test_garbage_actions_never_crash(clients, env_id):
+    c = clients[0]
+    spec = c.get_spec(env_id)
+    sid = open_one(c, env_id, {"max_turns": 10_000})
+    r = c.reset_one(sid, seed=2)
+    rng = random.Random(env_id)
+    texts = GARBAGE + ["".join(rng.choice("<>/answerthink ,()0123\n\x7f") for _ in range(rng.randint(0, 80)))
+                       for _ in range(60)]
+    for t in texts:
+        res = c.step([(sid, t)])[0]
+        assert res.status.code == 0, res.status.message
+        if not res.action_valid:
+            assert res.feedback
+    # The session still works afterwards.
+    if not res.done:
+        ok = c.step_one(sid, answer(policy_actions(res, spec)))
+        assert ok.status.code == 0
+    c.close_sessions([sid])
+
+
+def test_images_when_asked(clients, env_id):
+    c = clients[0]
+    spec = c.get_spec(env_id)
+    if "image" not in spec.modalities:
+        pytest.skip(f"{env_id} is text only")
+    sid = open_one(c, env_id, {"render_image": True, "image_size": 96})
+    r = c.reset_one(sid, seed=1)
+    assert len(r.observation.images) == 1
+    img = decode_image(r.observation.images[0])
+    assert img.shape == (96, 96, 3) and r.observation.images[0].height == 96
+    r2 = c.step_one(sid, answer(policy_actions(r, spec)))
+    assert r2.observation.images[0].png
+    c.close_sessions([sid])

@@ -1,0 +1,98 @@
+"""Start real envserve servers as subprocesses on loopback, for tests and benchmarks."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import psutil
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+_LINE = re.compile(r"serving .* on ([\d.]+:\d+) with \d+ workers(?:, metrics on :(\d+))?")
+
+
+class ServerProcess:
+    def __init__(self, envs, workers=2, extra=(), metrics=True):
+        cmd = [sys.executable, "-u", "-m", "envserve.cli", "serve", *envs, "--port", "0",
+               "--workers", str(workers), *extra]
+        if metrics:
+            cmd += ["--metrics-port", "0"]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.address = ""
+        self.metrics_port = 0
+        self.output: list[str] = []
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self.output.append(line)
+            m = _LINE.search(line)
+            if m:
+                self.address = m.group(1)
+                self.metrics_port = int(m.group(2) or 0)
+                break
+        if not self.address:
+            self.proc.kill()
+            raise RuntimeError("server did not start:\n" + "".join(self.output))
+        import threading
+        threading.Thread(target=self._drain_output, daemon=True).start()
+        self.wait_serving()
+
+    def _drain_output(self):
+        for line in self.proc.stdout:
+            self.output.append(line)
+
+    def wait_serving(self, timeout=30.0):
+        with grpc.insecure_channel(self.address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            deadline = time.time() + timeout
+            while time.time() < deadline:
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+                            health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.05)
+        raise RuntimeError("server never became healthy")
+
+    def worker_pids(self) -> list[int]:
+        """Workers are children of the multiprocessing forkserver, itself a child of the server."""
+        pids = []
+        for child in psutil.Process(self.proc.pid).children():
+            if any("forkserver" in part for part in child.cmdline()):
+                pids += [p.pid for p in child.children()]
+        return sorted(pids)
+
+    def metrics_text(self) -> str:
+        import urllib.request
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def terminate(self, timeout=30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+    def kill(self):
+        if self.proc.poll() is None:
+            for child in psutil.Process(self.proc.pid).children(recursive=True):
+                child.kill()
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.kill()
