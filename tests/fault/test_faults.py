@@ -13,7 +13,8 @@ from envserve.client import EnvClient, item_error
 from envserve.client.errors import EnvServeError, SessionLostError, SessionNotFoundError, UnavailableError
 from serverproc import ServerProcess
 
-MOVE = "<think>.</think><answer>Up, Down, Left</answer>"
+# Unparsable, so it never ends an episode, yet each step renders and records the turn.
+MOVE = "<think>wait</think>"
 # Big images make each step slow enough that a kill or a signal lands inside a batch.
 SLOW = {"render_image": True, "image_size": 1024, "max_turns": 100_000}
 DATA_LOSS = grpc.StatusCode.DATA_LOSS.value[0]

@@ -11,6 +11,8 @@ from envserve.core.env import EnvSpec
 from envserve.core.session import TurnResult, full_spec
 from envserve.v1 import envserve_pb2 as pb
 
+from . import wire
+
 CODES = {c.name: c.value[0] for c in grpc.StatusCode}
 
 
@@ -35,42 +37,21 @@ def _json_default(o):
     return str(o)
 
 
-def png_image(array, name: str = "observation") -> pb.Image:
+def png_bytes(array) -> bytes:
     from PIL import Image as PILImage
     buf = io.BytesIO()
     PILImage.fromarray(array).save(buf, format="PNG", compress_level=1)
-    h, w = array.shape[:2]
-    channels = array.shape[2] if array.ndim == 3 else 1
-    return pb.Image(png=buf.getvalue(), height=h, width=w, channels=channels, name=name)
+    return buf.getvalue()
 
 
-def turn_to_proto(session_id: str, r: TurnResult) -> pb.StepResult:
-    msg = pb.StepResult(
-        session_id=session_id,
-        reward=r.reward,
-        done=r.done,
-        truncated=r.truncated,
-        success=r.success,
-        action_valid=r.valid,
-        actions_executed=r.actions_executed,
-        parsed_actions=r.parsed_actions,
-        anchor=r.anchor,
-        transition=r.transition,
-        feedback=r.feedback,
-        turn=r.turn,
-        episode=r.episode,
-    )
-    obs = msg.observation
-    obs.text = r.text
-    obs.turn = r.turn
-    obs.episode = r.episode
+def encode_turn(session_id: str, r: TurnResult) -> bytes:
+    """The serialized StepResult of a turn (see wire.py for why it is written by hand)."""
+    images = []
     if r.image is not None:
-        obs.images.append(png_image(r.image))
-    msg.reward_components.update(r.components)
-    msg.reasoning.update(r.reasoning)
-    if r.info:
-        msg.info.CopyFrom(to_struct(r.info))
-    return msg
+        h, w = r.image.shape[:2]
+        channels = r.image.shape[2] if r.image.ndim == 3 else 1
+        images.append(wire.image_bytes(png_bytes(r.image), h, w, channels, "observation"))
+    return wire.step_result(session_id, r, images)
 
 
 def error_result(session_id: str, code: str, message: str) -> pb.StepResult:
@@ -106,22 +87,9 @@ def struct_to_dict(s: struct_pb2.Struct) -> dict:
 def frame_repeated(field_number: int, items: list[bytes]) -> bytes:
     """Concatenate serialized messages as a repeated message field: the wire form of a
     repeated field is just its elements one after another, so no re-encoding is needed."""
-    tag = _varint((field_number << 3) | 2)
-    return b"".join(tag + _varint(len(b)) + b for b in items)
+    return b"".join(wire.field_bytes(field_number, b) for b in items)
 
 
 def interact_result(tag: int, step_result: bytes) -> bytes:
     """A serialized InteractResult (tag = field 1, result = field 2)."""
-    return b"\x08" + _varint(tag) + b"\x12" + _varint(len(step_result)) + step_result
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
+    return b"\x08" + wire.varint(tag) + wire.field_bytes(2, step_result)

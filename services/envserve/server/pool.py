@@ -147,10 +147,10 @@ class WorkerPool:
                     del h.pending[request_id]
                     if not target.done():
                         target.set_result(result)
-                else:  # one reply per item
+                else:  # replies carry a list of finished items
                     target(result)
-                    expected[0] -= 1
-                    if expected[0] == 0:
+                    expected[0] -= len(result)
+                    if expected[0] <= 0:
                         del h.pending[request_id]
         except (EOFError, OSError, ConnectionResetError):
             self._handle_death(h)
@@ -199,7 +199,8 @@ class WorkerPool:
         return fut
 
     def stream(self, h: WorkerHandle, items: list, on_item: Callable) -> None:
-        """Per-item replies: on_item((index, bytes, seconds)) or on_item(WorkerLost) once for all."""
+        """Items answered as they finish: on_item([(index, bytes, seconds), ...]) per reply, or
+        on_item(WorkerLost) once for all that are still out."""
         if not h.alive:
             on_item(WorkerLost(f"worker {h.slot} is not running"))
             return

@@ -321,12 +321,12 @@ class EnvService(pb_grpc.EnvServiceServicer):
                                 done[i] = True
                                 emit(tags[i], r.lost_result(sids[i], result))
                         return
-                    index, data, seconds = result
-                    done[index] = True
-                    rec = r.sessions.get(sids[index])
-                    if rec is not None:
-                        r.metrics.observe_step(rec.env_id, seconds)
-                    emit(tags[index], data)
+                    for index, data, seconds in result:
+                        done[index] = True
+                        rec = r.sessions.get(sids[index])
+                        if rec is not None:
+                            r.metrics.observe_step(rec.env_id, seconds)
+                        emit(tags[index], data)
 
                 r.pool.stream(w, [e[1] for e in entries], on_item)
 

@@ -1,8 +1,8 @@
 """A worker process: holds many sessions and runs the operations the front sends it.
 
 Messages in: (request_id, op, payload). Replies: (request_id, result) once per request,
-except op "stream", which replies (request_id, (index, result)) per item as soon as that
-item is done, so Interact can forward each result without waiting for the rest.
+except op "stream", which replies (request_id, [(index, result, seconds), ...]) as items
+finish, so Interact can forward each result without waiting for the rest.
 A failure of one item is that item's result, never the worker's.
 """
 from __future__ import annotations
@@ -16,6 +16,8 @@ import traceback
 
 from envserve.core.session import Session, SessionError
 from envserve.server import convert
+
+STREAM_COALESCE_SECONDS = 0.0005
 
 
 def _malloc_trim() -> None:
@@ -49,7 +51,7 @@ class Worker:
         if session is None:
             return convert.error_result(sid, "NOT_FOUND", f"unknown session {sid}").SerializeToString()
         try:
-            return convert.turn_to_proto(sid, fn(session)).SerializeToString()
+            return convert.encode_turn(sid, fn(session))
         except SessionError as e:
             return convert.error_result(sid, e.code, e.message).SerializeToString()
         except Exception as e:  # an env bug fails its item, not the batch
@@ -133,10 +135,19 @@ def worker_main(requests, replies, preload: list[str]) -> None:
         except (EOFError, OSError):
             return  # the front is gone
         if op == "stream":
+            # Results go back as they finish; those finished within STREAM_COALESCE_SECONDS of
+            # the last send share one message (a pipe message costs about as much as a step).
+            ready, last_send = [], time.perf_counter()
             for index, item in enumerate(payload):
                 t0 = time.perf_counter()
                 data = worker.run_item(item)
-                replies.send((request_id, (index, data, time.perf_counter() - t0)))
+                now = time.perf_counter()
+                ready.append((index, data, now - t0))
+                if now - last_send >= STREAM_COALESCE_SECONDS:
+                    replies.send((request_id, ready))
+                    ready, last_send = [], now
+            if ready:
+                replies.send((request_id, ready))
             continue
         try:
             result = ops[op](payload)
