@@ -16,12 +16,12 @@ _LINE = re.compile(r"serving .* on ([\d.]+:\d+) with \d+ workers(?:, metrics on 
 
 
 class ServerProcess:
-    def __init__(self, envs, workers=2, extra=(), metrics=True):
+    def __init__(self, envs, workers=2, extra=(), metrics=True, env_vars=None):
         cmd = [sys.executable, "-u", "-m", "envserve.cli", "serve", *envs, "--port", "0",
                "--workers", str(workers), *extra]
         if metrics:
             cmd += ["--metrics-port", "0"]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_vars or {}))
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.address = ""
         self.metrics_port = 0

@@ -16,11 +16,16 @@ import time
 MOVES = {"Up": (-1, 0), "Down": (1, 0), "Left": (0, -1), "Right": (0, 1)}
 
 
+def _cells(items) -> set[tuple[int, int]]:
+    # Ground truth crosses the wire as a protobuf Struct, where every number is a float.
+    return {(int(r), int(c)) for r, c in items}
+
+
 def plan_sokoban(state: dict) -> list[str]:
     """Breadth-first search over (player, boxes); small rooms solve in milliseconds."""
     walls = {(r, c) for r, row in enumerate(state["grid"]) for c, ch in enumerate(row) if ch == "#"}
-    targets = frozenset(map(tuple, state["targets"]))
-    start = (tuple(state["player"]), frozenset(map(tuple, state["boxes"])))
+    targets = frozenset(_cells(state["targets"]))
+    start = (next(iter(_cells([state["player"]]))), frozenset(_cells(state["boxes"])))
     seen, queue = {start: None}, collections.deque([start])
     while queue:
         node = queue.popleft()
@@ -49,8 +54,8 @@ def plan_sokoban(state: dict) -> list[str]:
 
 
 def plan_frozenlake(state: dict) -> list[str]:
-    size, holes, goal = state["size"], {tuple(h) for h in state["holes"]}, tuple(state["goal"])
-    start = tuple(state["player"])
+    size, holes = int(state["size"]), _cells(state["holes"])
+    goal, start = next(iter(_cells([state["goal"]]))), next(iter(_cells([state["player"]])))
     seen, queue = {start: None}, collections.deque([start])
     while queue:
         cell = queue.popleft()
@@ -69,10 +74,9 @@ def plan_frozenlake(state: dict) -> list[str]:
 
 
 def next_minesweeper_reveal(state: dict) -> list[str]:
-    mines = {tuple(m) for m in state["mines"]}
-    revealed = {tuple(c) for c in state["revealed"]}
-    for r in range(state["rows"]):
-        for c in range(state["cols"]):
+    mines, revealed = _cells(state["mines"]), _cells(state["revealed"])
+    for r in range(int(state["rows"])):
+        for c in range(int(state["cols"])):
             if (r, c) not in mines and (r, c) not in revealed:
                 return [f"({r}, {c})"]
     return []

@@ -52,6 +52,16 @@ def test_one_bad_item_fails_alone(client):
     client.close_sessions(ids)
 
 
+def test_open_returns_the_sessions_system_prompt(client):
+    reply = client.open_sessions("sokoban", 2, {"action_separator": "|", "max_actions_per_turn": 2},
+                                 "grounding_worldmodeling")
+    assert reply.lease_seconds > 0 and len(reply.session_ids) == 2
+    assert reply.system_prompt.startswith(client.get_spec("sokoban").system_prompt)
+    assert "<observation>" in reply.system_prompt and "<prediction>" in reply.system_prompt
+    assert "action1| action2" in reply.system_prompt and "up to 2 actions" in reply.system_prompt
+    client.close_sessions(reply.session_ids)
+
+
 def test_multiple_actions_per_turn_are_capped(client):
     sid = client.open("sokoban", 1, {"max_actions_per_turn": 2}, "free_think")[0]
     client.reset_one(sid, seed=4)

@@ -42,7 +42,12 @@ class EnvClient:
 
     def open(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
              action_format: str = "") -> list[str]:
-        return list(self._call(self.env.Open, rq.open_request(env_id, count, config, action_format)).session_ids)
+        return list(self.open_sessions(env_id, count, config, action_format).session_ids)
+
+    def open_sessions(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
+                      action_format: str = "") -> pb.OpenResponse:
+        """Open, returning the whole reply: ids, lease and the sessions' system prompt."""
+        return self._call(self.env.Open, rq.open_request(env_id, count, config, action_format))
 
     def reset(self, session_ids: Sequence[str], seeds: "int | Sequence[int | None] | None" = None,
               task_id: str = "", split: str = "", same_task: bool = False) -> list[pb.StepResult]:

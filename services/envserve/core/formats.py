@@ -24,12 +24,21 @@ class ParsedTurn:
 class ActionFormat:
     name: str
     description: str
-    # Instruction appended to the system prompt, telling the model how to answer.
+    # Instruction appended to the system prompt, telling the model how to answer; "{sep}"
+    # stands for the session's action separator.
     instruction: str
     parse_fn: Callable[[str, str], ParsedTurn]
 
     def parse(self, text: str, separator: str = ",") -> ParsedTurn:
         return self.parse_fn(text, separator)
+
+    def instruction_for(self, separator: str, max_actions: int) -> str:
+        if max_actions == 1:
+            return self.instruction.replace("action1{sep} action2", "action")
+        text = self.instruction.replace("{sep}", separator)
+        if max_actions > 1:
+            text += f" You may give up to {max_actions} actions, separated by '{separator}'."
+        return text
 
 
 def _tag_re(tag: str) -> re.Pattern:
@@ -157,7 +166,7 @@ def _register_builtin() -> None:
     for name, desc, think_fields, require_think, template in specs:
         expected = template.format(sep=",")
         register_format(ActionFormat(
-            name, desc, f"Answer in the form {expected}",
+            name, desc, f"Answer in the form {template}",
             _think_answer_parser(think_fields, require_think, expected)))
     register_format(ActionFormat(
         "meta_reasoning", "RLVMR: one meta-reasoning tag, then the action",

@@ -126,6 +126,11 @@ class Session:
         self.replay_log: list[str] = []
         self.history: collections.deque = collections.deque(maxlen=max(1, int(self.config["history_turns"])))
 
+    def system_prompt(self) -> str:
+        """The env's system prompt plus how to answer in this session's action format."""
+        instruction = self.format.instruction_for(self.config["action_separator"], self.config["max_actions_per_turn"])
+        return f"{self.spec.system_prompt}\n\n{instruction}"
+
     # -- lifecycle --------------------------------------------------------------------------
     def reset(self, seed: int | None = None, task_id: str = "", split: str = "", same_task: bool = False) -> TurnResult:
         if same_task:

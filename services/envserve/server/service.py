@@ -260,18 +260,19 @@ class EnvService(pb_grpc.EnvServiceServicer):
             calls = [r.pool.call(w, "open", (request.env_id, config, request.action_format, sids))
                      for w, sids in plan.values()]
             replies = await asyncio.gather(*calls, return_exceptions=True)
-            failure = None
+            failure, prompt = None, ""
             for (w, sids), reply in zip(plan.values(), replies):
                 if isinstance(reply, BaseException) or reply[0] != "ok":
                     failure = failure or reply
                 else:
                     r.add_sessions(sids, request.env_id, w)
+                    prompt = reply[1]
             if failure is not None:
                 await r.close_sessions([sid for sid in ids if sid in r.sessions])
                 if isinstance(failure, BaseException):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"open failed: {failure}")
                 await context.abort(getattr(grpc.StatusCode, failure[1]), failure[2])
-            return pb.OpenResponse(session_ids=ids, lease_seconds=r.config.lease_seconds)
+            return pb.OpenResponse(session_ids=ids, lease_seconds=r.config.lease_seconds, system_prompt=prompt)
         finally:
             r.leave()
 

@@ -44,7 +44,7 @@ class Worker:
                 s.close()
             return ("error", e.code, e.message)
         self.sessions.update(made)
-        return ("ok",)
+        return ("ok", next(iter(made.values())).system_prompt() if made else "")
 
     def _item(self, sid: str, fn) -> bytes:
         session = self.sessions.get(sid)

@@ -82,12 +82,14 @@ class OpenRequest(_message.Message):
     def __init__(self, env_id: _Optional[str] = ..., count: _Optional[int] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., action_format: _Optional[str] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
-    __slots__ = ("session_ids", "lease_seconds")
+    __slots__ = ("session_ids", "lease_seconds", "system_prompt")
     SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
     session_ids: _containers.RepeatedScalarFieldContainer[str]
     lease_seconds: float
-    def __init__(self, session_ids: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    system_prompt: str
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ..., system_prompt: _Optional[str] = ...) -> None: ...
 
 class ResetItem(_message.Message):
     __slots__ = ("session_id", "seed", "task_id", "split", "same_task")
