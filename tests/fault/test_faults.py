@@ -20,20 +20,27 @@ SLOW = {"render_image": True, "image_size": 1024, "max_turns": 100_000}
 DATA_LOSS = grpc.StatusCode.DATA_LOSS.value[0]
 
 
+def start_slow_batch(c: EnvClient, n: int):
+    """Open n slow sessions and start stepping them in one batch on a thread; returns
+    (session ids, the thread, a dict that gets the batch's results)."""
+    ids = c.open("sokoban", n, SLOW)
+    c.reset(ids, seeds=list(range(n)))
+    outcome = {}
+
+    def run_batch():
+        outcome["results"] = c.step([(sid, MOVE) for sid in ids])
+
+    t = threading.Thread(target=run_batch)
+    t.start()
+    time.sleep(0.3)
+    return ids, t, outcome
+
+
 def test_worker_killed_during_batch_loses_only_its_sessions():
     with ServerProcess(["sokoban"], workers=2) as server:
         c = EnvClient(server.address)
-        ids = c.open("sokoban", 64, SLOW)
-        c.reset(ids, seeds=list(range(64)))
         victim = server.worker_pids()[0]
-        outcome = {}
-
-        def run_batch():
-            outcome["results"] = c.step([(sid, MOVE) for sid in ids])
-
-        t = threading.Thread(target=run_batch)
-        t.start()
-        time.sleep(0.3)
+        ids, t, outcome = start_slow_batch(c, 64)
         os.kill(victim, signal.SIGKILL)
         t.join(60)
         results = outcome["results"]
@@ -72,16 +79,7 @@ def test_sigterm_drains_in_flight_batch_then_exits():
     server = ServerProcess(["sokoban"], workers=2, extra=["--drain-timeout", "30"])
     try:
         c = EnvClient(server.address)
-        ids = c.open("sokoban", 32, SLOW)
-        c.reset(ids, seeds=list(range(32)))
-        outcome = {}
-
-        def run_batch():
-            outcome["results"] = c.step([(sid, MOVE) for sid in ids])
-
-        t = threading.Thread(target=run_batch)
-        t.start()
-        time.sleep(0.3)
+        ids, t, outcome = start_slow_batch(c, 32)
         server.proc.send_signal(signal.SIGTERM)
         time.sleep(0.05)
         with pytest.raises((UnavailableError, EnvServeError)) as e:

@@ -91,6 +91,9 @@ def test_bad_requests_get_status_codes(client):
         client.open("sokoban", 1, {"dim_room": "big"})
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "dim_room" in e.value.message
     with pytest.raises(EnvServeError) as e:
+        client.open("frozenlake", 1, {"size": 1})  # the right type, a value the env refuses
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "size" in e.value.message
+    with pytest.raises(EnvServeError) as e:
         client.open("sokoban", 1, None, "no_such_format")
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(EnvServeError) as e:

@@ -20,6 +20,15 @@ class Split:
     num_tasks: int = 1_000_000
 
 
+def seeded_splits(what: str, train_tasks: int = 1_000_000, test_offset: int = 10_000_000,
+                  test_tasks: int = 100_000) -> tuple[Split, ...]:
+    """Train and test splits of a generated family: disjoint seed ranges."""
+    return (
+        Split("train", f"{what}, seeds [0, {train_tasks:.0e})", 0, train_tasks),
+        Split("test", f"{what}, seeds [{test_offset:.0e}, {test_offset:.0e}+{test_tasks:.0e})", test_offset, test_tasks),
+    )
+
+
 @dataclass(frozen=True)
 class EnvSpec:
     env_id: str

@@ -115,7 +115,10 @@ class Session:
         if self.config["render_image"] and "image" not in cls.spec.modalities:
             raise SessionError("INVALID_ARGUMENT", f"{env_id} has no image observation")
         self.action_format = name
-        self.env: Environment = cls(self.config)
+        try:
+            self.env: Environment = cls(self.config)
+        except ValueError as e:  # an env's own check of its config values
+            raise SessionError("INVALID_ARGUMENT", f"{env_id}: {e}") from None
         self.seed: int | None = None
         self.task_options: dict = {}
         self.episode = -1

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, Split
+from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, seeded_splits
 from envserve.core.relations import grid_relation, indexed_names
 
 from ..grid_render import Mark, Tile, render_grid
@@ -78,10 +78,7 @@ class FrozenLakeEnv(Environment):
             "penalty_hole": "reward added when the player falls into a hole (episode ends, failure)",
             "cell_separator": "text put between the cells of a row in the text observation",
         },
-        splits=(
-            Split("train", "random maps, seeds [0, 1e6)", seed_offset=0, num_tasks=1_000_000),
-            Split("test", "random maps, seeds [1e7, 1e7+1e5)", seed_offset=10_000_000, num_tasks=100_000),
-        ),
+        splits=seeded_splits("random maps"),
         default_action_format="free_think",
     )
 

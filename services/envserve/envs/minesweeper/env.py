@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, Split
+from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, seeded_splits
 
 from ..grid_render import Mark, Tile, render_grid
 
@@ -94,10 +94,7 @@ class MinesweeperEnv(Environment):
             "penalty_for_step": "reward of every valid reveal",
             "action_separator": "separator between several actions in one answer (';' because actions hold commas)",
         },
-        splits=(
-            Split("train", "seeded boards, seeds [0, 1e6)", seed_offset=0, num_tasks=1_000_000),
-            Split("test", "seeded boards, seeds [1e7, 1e7+1e5)", seed_offset=10_000_000, num_tasks=100_000),
-        ),
+        splits=seeded_splits("seeded boards"),
         default_action_format="free_think",
     )
 

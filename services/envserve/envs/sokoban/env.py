@@ -11,7 +11,7 @@ from collections import OrderedDict
 from functools import lru_cache
 from typing import Any, Mapping
 
-from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, Split
+from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, seeded_splits
 from envserve.core.relations import grid_relation, indexed_names
 
 from ..grid_render import Mark, Tile, render_grid
@@ -152,10 +152,7 @@ class SokobanEnv(Environment):
             "penalty_for_step": "reward of every valid action",
             "cell_separator": "text put between the cells of a row in the text observation",
         },
-        splits=(
-            Split("train", "generated rooms, seeds [0, 1e6)", seed_offset=0, num_tasks=1_000_000),
-            Split("test", "generated rooms, seeds [1e7, 1e7+1e5)", seed_offset=10_000_000, num_tasks=100_000),
-        ),
+        splits=seeded_splits("generated rooms"),
         default_action_format="free_think",
     )
 
