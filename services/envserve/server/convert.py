@@ -5,7 +5,7 @@ import io
 import json
 
 import grpc
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import struct_pb2
 
 from envserve.core.env import EnvSpec
 from envserve.core.session import TurnResult, full_spec
@@ -78,10 +78,6 @@ def spec_to_proto(spec: EnvSpec) -> pb.EnvSpec:
         splits=[pb.Split(name=s.name, description=s.description) for s in spec.splits],
         action_space=spec.action_space, supports_snapshot=spec.supports_snapshot,
     )
-
-
-def struct_to_dict(s: struct_pb2.Struct) -> dict:
-    return json_format.MessageToDict(s)
 
 
 def frame_repeated(field_number: int, items: list[bytes]) -> bytes:

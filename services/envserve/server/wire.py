@@ -47,17 +47,6 @@ def field_int(field: int, n: int) -> bytes:
     return _key(field, 0) + varint(int(n)) if n else b""
 
 
-def field_bool(field: int, b: bool) -> bytes:
-    return _key(field, 0) + b"\x01" if b else b""
-
-
-def field_double(field: int, x: float) -> bytes:
-    x = float(x)
-    if x == 0.0 and math.copysign(1.0, x) > 0:
-        return b""
-    return _key(field, 1) + _DOUBLE.pack(x)
-
-
 # google.protobuf.Value: null 1, number 2, string 3, bool 4, struct 5, list 6.
 def _value(v) -> bytes:
     if v is None:
