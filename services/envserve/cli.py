@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -14,15 +15,61 @@ def _server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--lease-seconds", type=float, default=300.0)
     p.add_argument("--metrics-port", type=int, default=-1, help="Prometheus port (-1: off, 0: any free port)")
     p.add_argument("--drain-timeout", type=float, default=60.0)
-    p.add_argument("--replica-id", default="")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
+    p.add_argument("--replica-id", default=os.environ.get("ENVSERVE_REPLICA_ID", ""))
+    # Containers and pods set these through the environment.
+    env = os.environ.get
+    p.add_argument("--directory", default=env("ENVSERVE_DIRECTORY", "memory://"),
+                   help="memory:// (this process) or redis://host:6379/0 [$ENVSERVE_DIRECTORY]")
+    p.add_argument("--advertise", default=env("ENVSERVE_ADVERTISE", ""),
+                   help="host:port other services reach this replica on [$ENVSERVE_ADVERTISE]")
+    p.add_argument("--external-address", default=env("ENVSERVE_EXTERNAL_ADDRESS", ""),
+                   help="host:port reachable from outside, e.g. a published port [$ENVSERVE_EXTERNAL_ADDRESS]")
+    p.add_argument("--heartbeat-seconds", type=float, default=float(env("ENVSERVE_HEARTBEAT_SECONDS", "2.0")))
+    p.add_argument("--token-file", default=env("ENVSERVE_TOKEN_FILE", ""),
+                   help="bearer tokens, one per line (also $ENVSERVE_TOKENS, comma separated)")
+    p.add_argument("--state-token-file", default=env("ENVSERVE_STATE_TOKEN_FILE", ""),
+                   help="tokens for the ground-truth services (also $ENVSERVE_STATE_TOKENS)")
+    p.add_argument("--tls-cert", default=env("ENVSERVE_TLS_CERT", ""))
+    p.add_argument("--tls-key", default=env("ENVSERVE_TLS_KEY", ""))
+    p.add_argument("--tls-client-ca", default=env("ENVSERVE_TLS_CLIENT_CA", ""),
+                   help="require client certificates signed by this CA (mutual TLS)")
 
 
 def _config(args, env_ids):
+    from envserve.server.auth import read_tokens
     from envserve.server.config import ServerConfig
     return ServerConfig(env_ids=list(env_ids), host=args.host, port=args.port, workers=args.workers,
                         max_sessions=args.max_sessions, lease_seconds=args.lease_seconds,
-                        metrics_port=args.metrics_port, drain_timeout_seconds=args.drain_timeout,
-                        replica_id=args.replica_id)
+                        metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                        drain_timeout_seconds=args.drain_timeout, replica_id=args.replica_id,
+                        directory_url=args.directory, advertise_address=args.advertise,
+                        external_address=args.external_address, heartbeat_seconds=args.heartbeat_seconds,
+                        tokens=read_tokens(args.token_file, os.environ.get("ENVSERVE_TOKENS", "")),
+                        state_tokens=read_tokens(args.state_token_file, os.environ.get("ENVSERVE_STATE_TOKENS", "")),
+                        tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
+                        tls_client_ca_file=args.tls_client_ca)
+
+
+def cmd_health(args) -> int:
+    """Exit 0 when the replica's gRPC health service answers SERVING (container health checks)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    if args.tls_ca:
+        with open(args.tls_ca, "rb") as f:
+            channel = grpc.secure_channel(args.address, grpc.ssl_channel_credentials(f.read()))
+    else:
+        channel = grpc.insecure_channel(args.address)
+    with channel:
+        try:
+            status = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout).status
+        except grpc.RpcError as e:
+            print(f"unhealthy: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    print(name)
+    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def cmd_serve(args) -> int:
@@ -150,6 +197,12 @@ def main(argv=None) -> int:
     p.add_argument("--config", default="", help="JSON object of config overrides")
     p.add_argument("--address", default="", help="a running server; default: start one in-process")
     p.set_defaults(fn=cmd_play)
+    p = sub.add_parser("health", help="check a replica's gRPC health service (exit 0 when serving)")
+    p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument("--service", default="")
+    p.add_argument("--tls-ca", default="", help="CA certificate, when the replica serves TLS")
+    p.add_argument("--timeout", type=float, default=3.0)
+    p.set_defaults(fn=cmd_health)
     p = sub.add_parser("demo", help="start `up` and play each grid env with a scripted agent")
     p.add_argument("--address", default="", help="a running server; default: start `envserve up`")
     p.add_argument("--port", type=int, default=50051)

@@ -1,10 +1,12 @@
 """Python SDK for envserve: sync, async (streaming) and gymnasium clients."""
 from .aio import AsyncEnvClient, InteractStream
 from .client import EnvClient, decode_image, state_dict
-from .errors import (EnvServeError, ReplicaFullError, SessionLostError, SessionNotFoundError,
-                     UnavailableError, check, item_error)
+from .errors import (EnvServeError, PermissionDeniedError, ReplicaFullError, SessionLostError,
+                     SessionNotFoundError, UnauthenticatedError, UnavailableError, check, item_error)
+from .routing import RoutedClient
 
 __all__ = [
-    "EnvClient", "AsyncEnvClient", "InteractStream", "decode_image", "state_dict", "EnvServeError",
-    "SessionLostError", "SessionNotFoundError", "ReplicaFullError", "UnavailableError", "check", "item_error",
+    "EnvClient", "AsyncEnvClient", "RoutedClient", "InteractStream", "decode_image", "state_dict",
+    "EnvServeError", "SessionLostError", "SessionNotFoundError", "ReplicaFullError", "UnavailableError",
+    "PermissionDeniedError", "UnauthenticatedError", "check", "item_error",
 ]

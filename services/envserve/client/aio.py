@@ -11,21 +11,25 @@ from envserve.v1 import envserve_pb2 as pb
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
 
 from . import _requests as rq
-from .client import CHANNEL_OPTIONS
+from .client import auth_metadata, make_channel
 from .errors import from_rpc_error
 
 
 class AsyncEnvClient:
-    def __init__(self, address: str, timeout: float | None = 60.0):
+    def __init__(self, address: str, timeout: float | None = 60.0, token: str | None = None,
+                 state_token: str | None = None, root_certificates: "bytes | str | None" = None,
+                 tls: bool = False):
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = make_channel(address, root_certificates, tls, aio=True)
         self.env = pb_grpc.EnvServiceStub(self.channel)
         self.state = pb_grpc.StateServiceStub(self.channel)
+        self.metadata = auth_metadata(token)
+        self.state_metadata = auth_metadata(state_token or token)
 
-    async def _call(self, method, request):
+    async def _call(self, method, request, metadata=None):
         try:
-            return await method(request, timeout=self.timeout)
+            return await method(request, timeout=self.timeout, metadata=metadata or self.metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
@@ -51,10 +55,10 @@ class AsyncEnvClient:
         req = pb.GetStateRequest(session_id=session_id, turn=turn)
         if episode is not None:
             req.episode = episode
-        return await self._call(self.state.GetState, req)
+        return await self._call(self.state.GetState, req, self.state_metadata)
 
     def stream(self) -> "InteractStream":
-        return InteractStream(self.env)
+        return InteractStream(self.env, self.metadata)
 
     async def step_as_completed(self, actions: "Mapping[str, str] | Iterable[tuple[str, str]]"
                                 ) -> AsyncIterator[pb.StepResult]:
@@ -82,8 +86,9 @@ class InteractStream:
 
     _END = object()
 
-    def __init__(self, stub: pb_grpc.EnvServiceStub):
+    def __init__(self, stub: pb_grpc.EnvServiceStub, metadata: tuple = ()):
         self._stub = stub
+        self._metadata = metadata
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._tags = itertools.count(1)
         self._call = None
@@ -97,7 +102,7 @@ class InteractStream:
             yield req
 
     async def __aenter__(self) -> "InteractStream":
-        self._call = self._stub.Interact(self._requests())
+        self._call = self._stub.Interact(self._requests(), metadata=self._metadata)
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -16,21 +16,51 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
                    ("grpc.max_send_message_length", 64 * 1024 * 1024)]
 
 
+def channel_credentials(root_certificates: "bytes | str | None", tls: bool):
+    """TLS credentials when asked for: root_certificates is PEM bytes or a file path; tls=True alone
+    uses the system roots."""
+    if root_certificates is None and not tls:
+        return None
+    if isinstance(root_certificates, str):
+        with open(root_certificates, "rb") as f:
+            root_certificates = f.read()
+    return grpc.ssl_channel_credentials(root_certificates)
+
+
+def make_channel(address: str, root_certificates=None, tls: bool = False, aio: bool = False):
+    mod = grpc.aio if aio else grpc
+    creds = channel_credentials(root_certificates, tls)
+    if creds is None:
+        return mod.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return mod.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+
+
+def auth_metadata(token: str | None) -> tuple:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
 class EnvClient:
     """Batch calls return one StepResult per item, in order; an item's failure is in its
     `status` (see errors.check), never an exception for the whole batch. Calls that fail as a
-    whole raise EnvServeError subclasses carrying the gRPC code."""
+    whole raise EnvServeError subclasses carrying the gRPC code.
 
-    def __init__(self, address: str, timeout: float | None = 60.0, channel: grpc.Channel | None = None):
+    token: the bearer token sessions are bound to. state_token: a separate token for StateService,
+    where the replica requires one. root_certificates (PEM bytes or path) or tls=True: TLS."""
+
+    def __init__(self, address: str, timeout: float | None = 60.0, channel: grpc.Channel | None = None,
+                 token: str | None = None, state_token: str | None = None,
+                 root_certificates: "bytes | str | None" = None, tls: bool = False):
         self.address = address
         self.timeout = timeout
-        self.channel = channel or grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = channel or make_channel(address, root_certificates, tls)
         self.env = pb_grpc.EnvServiceStub(self.channel)
         self.state = pb_grpc.StateServiceStub(self.channel)
+        self.metadata = auth_metadata(token)
+        self.state_metadata = auth_metadata(state_token or token)
 
-    def _call(self, method, request):
+    def _call(self, method, request, metadata=None):
         try:
-            return method(request, timeout=self.timeout)
+            return method(request, timeout=self.timeout, metadata=metadata or self.metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
@@ -73,13 +103,13 @@ class EnvClient:
         req = pb.GetStateRequest(session_id=session_id, turn=turn)
         if episode is not None:
             req.episode = episode
-        return self._call(self.state.GetState, req)
+        return self._call(self.state.GetState, req, self.state_metadata)
 
     def interact(self, requests: Iterable[pb.InteractRequest]):
         """Blocking iterator over InteractResponses, in order of completion (see AsyncEnvClient.stream
         for the send/recv interface)."""
         try:
-            yield from self.env.Interact(iter(requests), timeout=self.timeout)
+            yield from self.env.Interact(iter(requests), timeout=self.timeout, metadata=self.metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 

@@ -30,7 +30,17 @@ class UnavailableError(EnvServeError):
     """The replica is draining or down."""
 
 
+class PermissionDeniedError(EnvServeError):
+    """The session belongs to another token, or the call needs a different kind of token."""
+
+
+class UnauthenticatedError(EnvServeError):
+    """No bearer token, or one the replica does not know."""
+
+
 _CLASSES = {
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
     grpc.StatusCode.DATA_LOSS: SessionLostError,
     grpc.StatusCode.NOT_FOUND: SessionNotFoundError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ReplicaFullError,

@@ -5,6 +5,7 @@ import asyncio
 import logging
 import signal
 import sys
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -13,6 +14,8 @@ from grpc_reflection.v1alpha import reflection
 
 from envserve.v1 import envserve_pb2 as pb
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
+
+from envserve.directory import Directory, DirectoryUnavailable, ReplicaInfo, open_directory
 
 from .config import ServerConfig
 from .metrics import Metrics
@@ -59,6 +62,8 @@ class ReplicaServer:
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self.metrics_port = 0
+        self.directory: Directory | None = None
+        self._heartbeat: asyncio.Task | None = None
         self._stopped = asyncio.Event()
 
     async def start(self) -> int:
@@ -72,16 +77,50 @@ class ReplicaServer:
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server)
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        bind = f"{self.config.host}:{self.config.port}"
+        credentials = server_credentials(self.config)
+        self.port = (self.server.add_secure_port(bind, credentials) if credentials
+                     else self.server.add_insecure_port(bind))
         if self.port == 0:
-            raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+            raise OSError(f"cannot bind {bind}")
         await self.replica.start(self.config.resolved_replica_id(self.port))
+        self.metrics.replica_capacity.set(self.config.max_sessions)
         if self.config.metrics_port >= 0:
             self.metrics_port = self.metrics.serve_http(self.config.metrics_host, self.config.metrics_port)
         await self.server.start()
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.directory = open_directory(self.config.directory_url)
+        await self._beat()
+        self._heartbeat = asyncio.get_running_loop().create_task(self._heartbeat_loop())
         return self.port
+
+    def replica_info(self) -> ReplicaInfo:
+        metrics_host = self.config.resolved_advertise(self.port).rpartition(":")[0]
+        return ReplicaInfo(
+            replica_id=self.replica.replica_id, address=self.config.resolved_advertise(self.port),
+            external_address=self.config.external_address, envs=list(self.config.env_ids),
+            capacity=self.config.max_sessions, live_sessions=len(self.replica.sessions),
+            draining=self.replica.draining, tls=bool(self.config.tls_cert_file),
+            http_address=f"{metrics_host}:{self.metrics_port}" if self.metrics_port else "")
+
+    async def _beat(self) -> bool:
+        try:
+            await asyncio.to_thread(self.directory.heartbeat, self.replica_info(),
+                                    2 * self.config.heartbeat_seconds)
+            return True
+        except DirectoryUnavailable as e:
+            log.warning("directory heartbeat failed (will retry): %s", e)
+            return False
+
+    async def _heartbeat_loop(self) -> None:
+        # Heartbeats rewrite the whole record, so a restarted Redis is whole again after one period.
+        while True:
+            await asyncio.sleep(self.config.heartbeat_seconds)
+            try:
+                await self._beat()
+            except Exception:
+                log.exception("heartbeat failed")
 
     @property
     def address(self) -> str:
@@ -94,11 +133,20 @@ class ReplicaServer:
         self.replica.draining = True
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.directory is not None:
+            await self._beat()  # clients stop opening sessions here at once
         finished = await self.replica.wait_idle(self.config.drain_timeout_seconds)
         log.info("drained (%s); stopping", "all calls finished" if finished else "timed out")
         await self.stop()
 
     async def stop(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        if self.directory is not None:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self.directory.deregister, self.replica.replica_id), 3)
+            except Exception as e:  # the TTL removes it anyway
+                log.warning("deregister failed: %s", e)
         if self.server is not None:
             await self.server.stop(grace=1.0)
         await self.replica.close()
@@ -107,6 +155,16 @@ class ReplicaServer:
 
     async def wait(self) -> None:
         await self._stopped.wait()
+
+
+def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    if not (config.tls_cert_file or config.tls_key_file):
+        return None
+    if not (config.tls_cert_file and config.tls_key_file):
+        raise ValueError("TLS needs both a certificate and a key file")
+    pair = (Path(config.tls_key_file).read_bytes(), Path(config.tls_cert_file).read_bytes())
+    ca = Path(config.tls_client_ca_file).read_bytes() if config.tls_client_ca_file else None
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
 
 async def serve_forever(config: ServerConfig, ready=None) -> None:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 from dataclasses import dataclass, field
 
@@ -22,12 +23,35 @@ class ServerConfig:
     lost_memory_seconds: float = 3600.0
     max_message_bytes: int = 64 * 1024 * 1024
     replica_id: str = ""
+    # The directory replicas register in (memory:// in this process, or redis://host:port/db).
+    directory_url: str = "memory://"
+    advertise_address: str = ""  # host:port others reach this replica on; default host:port
+    external_address: str = ""  # host:port reachable from outside (a published container port)
+    heartbeat_seconds: float = 2.0  # the directory forgets a replica after two missed periods
+    # Bearer tokens: empty means no authentication. A session belongs to the token that opened it.
+    tokens: tuple[str, ...] = ()
+    # Tokens for StateService and MonitorService (ground truth): when set, only these read state.
+    state_tokens: tuple[str, ...] = ()
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""  # set: clients must present a certificate signed by this CA
+
+    def resolved_advertise(self, port: int) -> str:
+        if self.advertise_address:
+            return self.advertise_address
+        host = self.host if self.host not in ("0.0.0.0", "::", "[::]", "") else socket.gethostname()
+        return f"{host}:{port}"
 
     def resolved_workers(self) -> int:
         return self.workers if self.workers > 0 else (os.cpu_count() or 1)
 
     def resolved_replica_id(self, port: int) -> str:
-        return self.replica_id or f"{socket.gethostname()}-{port}"
+        # A fresh suffix per start: sessions of an earlier process on the same host and port
+        # then read as lost (their replica is gone) rather than as never opened.
+        rid = self.replica_id or f"{socket.gethostname()}-{port}-{secrets.token_hex(2)}"
+        if "/" in rid:
+            raise ValueError(f"replica id {rid!r} must not contain '/' (session ids are '<replica>/<token>')")
+        return rid
 
     def reap_interval(self) -> float:
         return self.reap_interval_seconds or min(5.0, max(0.05, self.lease_seconds / 10))

@@ -46,6 +46,11 @@ class Metrics:
         self.step_seconds = StepLatency("envserve_step_seconds", "Time a worker spends on one reset or step item")
         self.registry.register(self.step_seconds)
         self.live_sessions = Gauge("envserve_live_sessions", "Open sessions", ["env"], registry=self.registry)
+        # Per replica, unlabelled: what a HorizontalPodAutoscaler averages over pods.
+        self.replica_live_sessions = Gauge("envserve_replica_live_sessions", "Open sessions on this replica",
+                                           registry=self.registry)
+        self.replica_capacity = Gauge("envserve_replica_capacity", "Sessions this replica accepts at most",
+                                      registry=self.registry)
         self.worker_restarts = Counter("envserve_worker_restarts_total", "Workers respawned after dying",
                                        registry=self.registry)
         self.errors = Counter("envserve_errors_total", "Failed items and calls by status code", ["code"],

@@ -17,6 +17,7 @@ from envserve.v1 import envserve_pb2 as pb
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
 
 from . import convert
+from .auth import Authenticator, Denied
 from .config import ServerConfig
 from .metrics import Metrics
 from .pool import WorkerHandle, WorkerLost, WorkerPool
@@ -31,6 +32,7 @@ class SessionRecord:
     env_id: str
     worker: WorkerHandle
     deadline: float
+    owner: str = ""  # digest of the token that opened it ("" without auth)
 
 
 class Replica:
@@ -42,6 +44,7 @@ class Replica:
         self.replica_id = ""
         self.env_ids = list(config.env_ids)
         self.specs = {e: get_env_class(e).spec for e in self.env_ids}
+        self.auth = Authenticator(config.tokens, config.state_tokens)
         self.sessions: dict[str, SessionRecord] = {}
         self.lost: dict[str, tuple[str, float]] = {}
         self.pool = WorkerPool(config.resolved_workers(), self.env_ids, self._on_worker_death)
@@ -82,28 +85,33 @@ class Replica:
     def new_session_id(self) -> str:
         return f"{self.replica_id}/{secrets.token_hex(8)}"
 
-    def lookup(self, sid: str) -> tuple[SessionRecord | None, str, str]:
-        """The session's record, or an error (code, message). Any lookup renews the lease."""
+    def lookup(self, sid: str, owner: str | None = "") -> tuple[SessionRecord | None, str, str]:
+        """The session's record, or an error (code, message). Any lookup renews the lease.
+        owner None may see every session (a state token); otherwise it must match the opener."""
         rec = self.sessions.get(sid)
         if rec is not None:
+            if owner is not None and rec.owner != owner:
+                return None, "PERMISSION_DENIED", f"session {sid!r} belongs to another token"
             rec.deadline = time.monotonic() + self.config.lease_seconds
             return rec, "", ""
         if sid in self.lost:
             return None, LOST, f"session lost: {self.lost[sid][0]}"
         return None, "NOT_FOUND", f"unknown session {sid!r} (closed, expired or never opened)"
 
-    def add_sessions(self, ids: list[str], env_id: str, worker: WorkerHandle) -> None:
+    def add_sessions(self, ids: list[str], env_id: str, worker: WorkerHandle, owner: str = "") -> None:
         deadline = time.monotonic() + self.config.lease_seconds
         for sid in ids:
-            self.sessions[sid] = SessionRecord(env_id, worker, deadline)
+            self.sessions[sid] = SessionRecord(env_id, worker, deadline, owner)
             worker.sessions.add(sid)
         self.metrics.live_sessions.labels(env_id).inc(len(ids))
+        self.metrics.replica_live_sessions.set(len(self.sessions))
 
     def drop_session(self, sid: str) -> SessionRecord | None:
         rec = self.sessions.pop(sid, None)
         if rec is not None:
             rec.worker.sessions.discard(sid)
             self.metrics.live_sessions.labels(rec.env_id).dec()
+            self.metrics.replica_live_sessions.set(len(self.sessions))
         return rec
 
     def _on_worker_death(self, h: WorkerHandle) -> None:
@@ -149,16 +157,17 @@ class Replica:
             log.info("reaped %d idle sessions", len(expired))
         return len(expired)
 
-    async def close_sessions(self, ids: list[str]) -> list[pb.ItemStatus]:
+    async def close_sessions(self, ids: list[str], owner: str | None = None) -> list[pb.ItemStatus]:
         statuses: list[pb.ItemStatus] = []
         by_worker: dict[int, tuple[WorkerHandle, list[str]]] = {}
         for sid in ids:
-            rec = self.drop_session(sid)
+            rec, code, message = self.lookup(sid, owner)
             if rec is None:
-                _, code, message = self.lookup(sid)
                 statuses.append(pb.ItemStatus(code=convert.code_number(code), message=message))
-                self.lost.pop(sid, None)
+                if code == LOST:
+                    self.lost.pop(sid, None)
                 continue
+            self.drop_session(sid)
             statuses.append(pb.ItemStatus(code=OK))
             by_worker.setdefault(rec.worker.slot, (rec.worker, []))[1].append(sid)
         calls = [self.pool.call(w, "close", sids) for w, sids in by_worker.values()]
@@ -168,13 +177,13 @@ class Replica:
         return statuses
 
     # -- batches --------------------------------------------------------------------------
-    def route(self, items: list[tuple]) -> tuple[list, dict]:
+    def route(self, items: list[tuple], owner: str = "") -> tuple[list, dict]:
         """Split items ((kind, sid, ...)) by worker. Returns per-index errors and worker groups."""
         results: list = [None] * len(items)
         groups: dict[int, tuple[WorkerHandle, list[int], list[tuple]]] = {}
         for i, item in enumerate(items):
             sid = item[1]
-            rec, code, message = self.lookup(sid)
+            rec, code, message = self.lookup(sid, owner)
             if rec is None:
                 results[i] = convert.error_result(sid, code, message).SerializeToString()
                 self.metrics.errors.labels(code).inc()
@@ -184,8 +193,8 @@ class Replica:
             g[2].append(item)
         return results, groups
 
-    async def run_batch(self, items: list[tuple]) -> bytes:
-        results, groups = self.route(items)
+    async def run_batch(self, items: list[tuple], owner: str = "") -> bytes:
+        results, groups = self.route(items, owner)
         calls = [self.pool.call(w, "batch", group_items) for w, _, group_items in groups.values()]
         replies = await asyncio.gather(*calls, return_exceptions=True)
         for (w, indices, group_items), reply in zip(groups.values(), replies):
@@ -202,7 +211,7 @@ class Replica:
 
     def lost_result(self, sid: str, exc: BaseException) -> bytes:
         self.metrics.errors.labels(LOST).inc()
-        _, code, message = self.lookup(sid)
+        _, code, message = self.lookup(sid, None)
         if code != LOST:
             code, message = LOST, f"session lost: {exc}"
         return convert.error_result(sid, code, message).SerializeToString()
@@ -212,15 +221,25 @@ def _reset_item(it: pb.ResetItem) -> tuple:
     return ("reset", it.session_id, it.seed if it.HasField("seed") else None, it.task_id, it.split, it.same_task)
 
 
+async def caller(context, check) -> str | None:
+    """Runs an Authenticator check; a refusal ends the call with its status."""
+    try:
+        return check(context)
+    except Denied as e:
+        await context.abort(e.code, e.message)
+
+
 class EnvService(pb_grpc.EnvServiceServicer):
     def __init__(self, replica: Replica):
         self.r = replica
 
     async def ListEnvs(self, request, context):
+        await caller(context, self.r.auth.env_owner)
         return pb.ListEnvsResponse(envs=[convert.spec_to_proto(s) for s in self.r.specs.values()],
                                    replica_id=self.r.replica_id)
 
     async def GetSpec(self, request, context):
+        await caller(context, self.r.auth.env_owner)
         spec = self.r.specs.get(request.env_id)
         if spec is None:
             await context.abort(grpc.StatusCode.NOT_FOUND,
@@ -229,6 +248,7 @@ class EnvService(pb_grpc.EnvServiceServicer):
 
     async def Open(self, request, context):
         r = self.r
+        owner = await caller(context, r.auth.env_owner)
         if r.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "replica is draining; open sessions elsewhere")
         spec = r.specs.get(request.env_id)
@@ -265,7 +285,7 @@ class EnvService(pb_grpc.EnvServiceServicer):
                 if isinstance(reply, BaseException) or reply[0] != "ok":
                     failure = failure or reply
                 else:
-                    r.add_sessions(sids, request.env_id, w)
+                    r.add_sessions(sids, request.env_id, w, owner)
                     prompt = reply[1]
             if failure is not None:
                 await r.close_sessions([sid for sid in ids if sid in r.sessions])
@@ -277,16 +297,17 @@ class EnvService(pb_grpc.EnvServiceServicer):
             r.leave()
 
     async def Reset(self, request, context):
-        return await self._batch([_reset_item(it) for it in request.items])
+        return await self._batch([_reset_item(it) for it in request.items], context)
 
     async def Step(self, request, context):
-        return await self._batch([("step", it.session_id, _cap(it.action)) for it in request.items])
+        return await self._batch([("step", it.session_id, _cap(it.action)) for it in request.items], context)
 
-    async def _batch(self, items) -> bytes:
+    async def _batch(self, items, context) -> bytes:
         # Returns the serialized BatchResponse: worker-made results are framed, not re-encoded.
+        owner = await caller(context, self.r.auth.env_owner)
         self.r.enter()
         try:
-            return await self.r.run_batch(items)
+            return await self.r.run_batch(items, owner)
         finally:
             self.r.leave()
 
@@ -294,6 +315,7 @@ class EnvService(pb_grpc.EnvServiceServicer):
         """Results stream back as workers finish them; whatever is ready when the writer wakes
         travels in one response. Returns serialized InteractResponses (see app.py)."""
         r = self.r
+        owner = await caller(context, r.auth.env_owner)
         loop = asyncio.get_running_loop()
         ready: list[bytes] = []
         wake = asyncio.Event()
@@ -342,7 +364,7 @@ class EnvService(pb_grpc.EnvServiceServicer):
                 emit(it.tag, convert.error_result("", "INVALID_ARGUMENT",
                                                   "item holds neither step nor reset").SerializeToString())
                 return
-            rec, code, message = r.lookup(item[1])
+            rec, code, message = r.lookup(item[1], owner)
             if rec is None:
                 r.metrics.errors.labels(code).inc()
                 emit(it.tag, convert.error_result(item[1], code, message).SerializeToString())
@@ -379,9 +401,10 @@ class EnvService(pb_grpc.EnvServiceServicer):
 
     async def Fork(self, request, context):
         r = self.r
+        owner = await caller(context, r.auth.env_owner)
         if r.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "replica is draining; fork elsewhere")
-        rec, code, message = r.lookup(request.session_id)
+        rec, code, message = r.lookup(request.session_id, owner)
         if rec is None:
             await context.abort(getattr(grpc.StatusCode, code), message)
         count = request.count or 1
@@ -410,7 +433,7 @@ class EnvService(pb_grpc.EnvServiceServicer):
                 if isinstance(rep, BaseException) or rep[0] != "ok":
                     failure = failure or rep
                 else:
-                    r.add_sessions(sids, rec.env_id, w)
+                    r.add_sessions(sids, rec.env_id, w, owner)
             if failure is not None:
                 await r.close_sessions([sid for sid in ids if sid in r.sessions])
                 if isinstance(failure, BaseException):
@@ -421,7 +444,8 @@ class EnvService(pb_grpc.EnvServiceServicer):
             r.leave()
 
     async def Close(self, request, context):
-        return pb.CloseResponse(statuses=await self.r.close_sessions(list(request.session_ids)))
+        owner = await caller(context, self.r.auth.env_owner)
+        return pb.CloseResponse(statuses=await self.r.close_sessions(list(request.session_ids), owner))
 
 
 def _cap(action: str) -> str:
@@ -434,7 +458,8 @@ class StateService(pb_grpc.StateServiceServicer):
         self.r = replica
 
     async def GetState(self, request, context):
-        rec, code, message = self.r.lookup(request.session_id)
+        owner = await caller(context, self.r.auth.state_owner)
+        rec, code, message = self.r.lookup(request.session_id, owner)
         if rec is None:
             await context.abort(getattr(grpc.StatusCode, code), message)
         episode = request.episode if request.HasField("episode") else None

@@ -1,0 +1,248 @@
+"""RoutedClient: many replicas behind one client, found through the directory, no proxy in between.
+
+Open picks the least-loaded replicas serving the environment; every later call goes straight to
+the replica a session id names (`<replica_id>/<token>`). Batches are split by replica and sent in
+parallel; one replica's failure fails only its own items.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Iterable, Mapping, Sequence
+
+import grpc
+
+from envserve.directory import Directory, DirectoryUnavailable, ReplicaInfo, open_directory, replica_of
+from envserve.v1 import envserve_pb2 as pb
+
+from . import _requests as rq
+from .client import EnvClient
+from .errors import EnvServeError, UnavailableError, from_rpc_error, make_error
+
+# Failures of a whole Open that mean "try another replica".
+_RETRY_ELSEWHERE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def _item_failure(sid: str, code: grpc.StatusCode, message: str) -> pb.StepResult:
+    return pb.StepResult(session_id=sid, status=pb.ItemStatus(code=code.value[0], message=message))
+
+
+class RoutedClient:
+    """directory: a Directory or its URL. use_external: connect to the replicas' external
+    addresses (published container ports) instead of their in-network ones."""
+
+    def __init__(self, directory: "Directory | str", token: str | None = None, state_token: str | None = None,
+                 root_certificates: "bytes | str | None" = None, tls: bool = False, use_external: bool = False,
+                 timeout: float | None = 60.0, refresh_seconds: float = 1.0, max_open_per_call: int = 4096):
+        self.directory = open_directory(directory) if isinstance(directory, str) else directory
+        self._owns_directory = isinstance(directory, str)
+        self.client_kw = dict(token=token, state_token=state_token, root_certificates=root_certificates,
+                              tls=tls, timeout=timeout)
+        self.use_external = use_external
+        self.refresh_seconds = refresh_seconds
+        self.max_open_per_call = max_open_per_call
+        self._lock = threading.Lock()
+        self._known: dict[str, ReplicaInfo] = {}
+        self._fetched = 0.0
+        self._opened_since_fetch: dict[str, int] = {}
+        self._clients: dict[tuple[str, str], EnvClient] = {}
+
+    # -- the directory, cached for refresh_seconds ---------------------------------------------
+    def replicas(self, env_id: str | None = None, refresh: bool = False) -> list[ReplicaInfo]:
+        """Live replicas. While the directory is unreachable the last list is used as it was."""
+        if refresh or time.monotonic() - self._fetched >= self.refresh_seconds:
+            try:
+                found = self.directory.replicas()
+            except DirectoryUnavailable:
+                if not self._known:
+                    raise
+            else:
+                with self._lock:
+                    self._known = {r.replica_id: r for r in found}
+                    self._fetched = time.monotonic()
+                    self._opened_since_fetch.clear()
+        return [r for r in self._known.values() if env_id is None or env_id in r.envs]
+
+    def _address(self, r: ReplicaInfo) -> str:
+        return (r.external_address or r.address) if self.use_external else r.address
+
+    def client_for(self, r: ReplicaInfo) -> EnvClient:
+        key = (r.replica_id, self._address(r))
+        with self._lock:
+            c = self._clients.get(key)
+            if c is None:
+                c = self._clients[key] = EnvClient(key[1], **self.client_kw)
+            return c
+
+    def _replica_for(self, session_id: str) -> ReplicaInfo | None:
+        rid = replica_of(session_id)
+        r = self._known.get(rid)
+        if r is None:
+            try:
+                self.replicas(refresh=True)
+            except DirectoryUnavailable:
+                return None
+            r = self._known.get(rid)
+        return r
+
+    # -- opening: least loaded first ------------------------------------------------------------
+    def plan(self, env_id: str, count: int, exclude: set[str] = frozenset()) -> dict[str, int]:
+        """How many of count new sessions each replica gets: always the one with the lowest
+        (live + planned) / capacity, counting what this client opened since the last heartbeat."""
+        candidates = [r for r in self.replicas(env_id) if not r.draining and r.replica_id not in exclude]
+        load = {r.replica_id: r.live_sessions + self._opened_since_fetch.get(r.replica_id, 0) for r in candidates}
+        caps = {r.replica_id: max(1, r.capacity) for r in candidates}
+        shares: dict[str, int] = {}
+        for _ in range(count):
+            open_ones = [rid for rid in load if load[rid] < caps[rid]]
+            if not open_ones:
+                break
+            rid = min(open_ones, key=lambda i: (load[i] / caps[i], load[i]))
+            load[rid] += 1
+            shares[rid] = shares.get(rid, 0) + 1
+        return shares
+
+    def open_sessions(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
+                      action_format: str = "") -> pb.OpenResponse:
+        """Opens count sessions, spread over replicas; returns ids (in no particular replica order),
+        the smallest lease and the system prompt."""
+        opened: list[str] = []
+        lease, prompt = 0.0, ""
+        tried: set[str] = set()
+        last_error: EnvServeError | None = None
+        remaining = count
+        while remaining > 0:
+            shares = self.plan(env_id, remaining, tried)
+            if not shares:
+                break
+            calls = []
+            for rid, n in shares.items():
+                r = self._known[rid]
+                stub = self.client_for(r)
+                for start in range(0, n, self.max_open_per_call):
+                    k = min(self.max_open_per_call, n - start)
+                    req = rq.open_request(env_id, k, config, action_format)
+                    calls.append((rid, k, stub.env.Open.future(req, timeout=stub.timeout, metadata=stub.metadata)))
+            for rid, k, fut in calls:
+                try:
+                    resp = fut.result()
+                except grpc.RpcError as e:
+                    err = from_rpc_error(e)
+                    if e.code() not in _RETRY_ELSEWHERE:
+                        self.close_sessions(opened)  # all or nothing, as one replica's Open is
+                        raise err from None
+                    last_error = err
+                    tried.add(rid)
+                    continue
+                opened.extend(resp.session_ids)
+                remaining -= len(resp.session_ids)
+                lease = min(lease, resp.lease_seconds) if lease else resp.lease_seconds
+                prompt = prompt or resp.system_prompt
+                with self._lock:
+                    self._opened_since_fetch[rid] = self._opened_since_fetch.get(rid, 0) + len(resp.session_ids)
+        if remaining > 0:
+            self.close_sessions(opened)
+            if last_error is not None:
+                raise last_error
+            raise UnavailableError(grpc.StatusCode.UNAVAILABLE,
+                                   f"no live replica serving {env_id!r} has room for {count} sessions")
+        return pb.OpenResponse(session_ids=opened, lease_seconds=lease, system_prompt=prompt)
+
+    def open(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
+             action_format: str = "") -> list[str]:
+        return list(self.open_sessions(env_id, count, config, action_format).session_ids)
+
+    # -- batches: split by replica, sent in parallel ----------------------------------------------
+    def _fan_out(self, items: list, sid_of, method: str, build, field: str = "results") -> list:
+        results: list = [None] * len(items)
+        groups: dict[str, list[int]] = {}
+        for i, item in enumerate(items):
+            groups.setdefault(replica_of(sid_of(item)), []).append(i)
+        calls = []
+        for rid, indices in groups.items():
+            r = self._replica_for(sid_of(items[indices[0]]))
+            if r is None:
+                for i in indices:
+                    results[i] = self._lost(sid_of(items[i]), rid)
+                continue
+            c = self.client_for(r)
+            fut = getattr(c.env, method).future(build([items[i] for i in indices]), timeout=c.timeout,
+                                                metadata=c.metadata)
+            calls.append((r, indices, fut))
+        for r, indices, fut in calls:
+            try:
+                batch = getattr(fut.result(), field)
+            except grpc.RpcError as e:
+                # The replica as a whole failed (down, or refusing the token): its items only.
+                for i in indices:
+                    results[i] = _item_failure(sid_of(items[i]), e.code(),
+                                               f"replica {r.replica_id} at {self._address(r)}: {e.details()}")
+                continue
+            for i, res in zip(indices, batch):
+                results[i] = res
+        return results
+
+    def _lost(self, sid: str, rid: str) -> pb.StepResult:
+        return _item_failure(sid, grpc.StatusCode.DATA_LOSS,
+                             f"session lost: its replica {rid!r} is gone (no heartbeat in the directory)")
+
+    def reset(self, session_ids: Sequence[str], seeds=None, task_id: str = "", split: str = "",
+              same_task: bool = False) -> list[pb.StepResult]:
+        items = list(rq.reset_request(session_ids, seeds, task_id, split, same_task).items)
+        return self._fan_out(items, lambda it: it.session_id, "Reset", lambda its: pb.ResetRequest(items=its))
+
+    def step(self, actions: "Mapping[str, str] | Iterable[tuple[str, str]]") -> list[pb.StepResult]:
+        items = list(rq.step_request(actions).items)
+        return self._fan_out(items, lambda it: it.session_id, "Step", lambda its: pb.StepRequest(items=its))
+
+    def _session_client(self, session_id: str) -> EnvClient:
+        r = self._replica_for(session_id)
+        if r is None:
+            raise make_error(grpc.StatusCode.DATA_LOSS,
+                             f"session lost: its replica {replica_of(session_id)!r} is gone", session_id)
+        return self.client_for(r)
+
+    def get_state(self, session_id: str, turn: int = -1, episode: int | None = None) -> pb.GetStateResponse:
+        return self._session_client(session_id).get_state(session_id, turn, episode)
+
+    def fork(self, session_id: str, count: int = 1) -> list[str]:
+        return self._session_client(session_id).fork(session_id, count)
+
+    def close_sessions(self, session_ids: Sequence[str]) -> list[pb.ItemStatus]:
+        ids = list(session_ids)
+        if not ids:
+            return []
+        results = self._fan_out(ids, lambda s: s, "Close", lambda sids: pb.CloseRequest(session_ids=sids),
+                                "statuses")
+        # Close answers statuses, not StepResults; _fan_out placed either kind.
+        return [r if isinstance(r, pb.ItemStatus) else r.status for r in results]
+
+    def list_envs(self) -> list[pb.EnvSpec]:
+        """Every environment some live replica serves (one spec per env)."""
+        specs: dict[str, pb.EnvSpec] = {}
+        for r in self.replicas():
+            if all(e in specs for e in r.envs):
+                continue
+            for s in self.client_for(r).list_envs():
+                specs.setdefault(s.env_id, s)
+        return list(specs.values())
+
+    def get_spec(self, env_id: str) -> pb.EnvSpec:
+        candidates = self.replicas(env_id)
+        if not candidates:
+            raise make_error(grpc.StatusCode.NOT_FOUND, f"no live replica serves {env_id!r}")
+        return self.client_for(candidates[0]).get_spec(env_id)
+
+    def close(self) -> None:
+        for c in self._clients.values():
+            c.close()
+        self._clients.clear()
+        if self._owns_directory:
+            self.directory.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

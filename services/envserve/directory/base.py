@@ -1,0 +1,96 @@
+"""The directory interface and the replica record both implementations store."""
+from __future__ import annotations
+
+import json
+import time
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+
+
+class DirectoryUnavailable(RuntimeError):
+    """The directory's backing store cannot be reached (e.g. Redis restarting)."""
+
+
+@dataclass
+class ReplicaInfo:
+    replica_id: str
+    address: str  # host:port other services reach it on (pod IP, compose service name)
+    envs: list[str]
+    capacity: int  # max sessions
+    live_sessions: int = 0
+    draining: bool = False
+    external_address: str = ""  # host:port reachable from outside the network (published port)
+    http_address: str = ""  # the replica's metrics/HTTP port, if any
+    tls: bool = False
+    started_unix: float = field(default_factory=time.time)
+    heartbeat_unix: float = 0.0
+
+    @property
+    def load(self) -> float:
+        return self.live_sessions / self.capacity if self.capacity > 0 else 1.0
+
+    def free(self) -> int:
+        return max(0, self.capacity - self.live_sessions)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, data: str | bytes) -> "ReplicaInfo":
+        raw = json.loads(data)
+        known = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__}  # newer writers may add fields
+        return cls(**known)
+
+
+def replica_of(session_id: str) -> str:
+    """The replica id a session id names (`<replica_id>/<token>`)."""
+    replica_id, sep, _ = session_id.rpartition("/")
+    return replica_id if sep else ""
+
+
+class Directory(ABC):
+    """Thread-safe; calls are blocking (servers call them off the event loop)."""
+
+    @abstractmethod
+    def heartbeat(self, info: ReplicaInfo, ttl_seconds: float) -> None:
+        """Register or refresh a replica; it disappears ttl_seconds after its last heartbeat."""
+
+    @abstractmethod
+    def deregister(self, replica_id: str) -> None:
+        """Remove a replica at once (clean shutdown)."""
+
+    @abstractmethod
+    def replicas(self, env_id: str | None = None) -> list[ReplicaInfo]:
+        """Live replicas, those serving env_id if given."""
+
+    def get(self, replica_id: str) -> ReplicaInfo | None:
+        for r in self.replicas():
+            if r.replica_id == replica_id:
+                return r
+        return None
+
+    def locate(self, session_id: str) -> ReplicaInfo | None:
+        """The live replica holding a session, or None when that replica is gone."""
+        return self.get(replica_of(session_id))
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def open_directory(url: str) -> Directory:
+    """`memory://` (or empty): in this process. `redis://host:port/db` (or rediss://): Redis.
+    A `prefix` query parameter namespaces the keys (several stacks on one Redis)."""
+    if not url or url.startswith("memory:"):
+        from .memory import shared_memory_directory
+        name = url.split("://", 1)[1] if "://" in url else ""
+        return shared_memory_directory(name)
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from .redis_directory import RedisDirectory
+        return RedisDirectory.from_url(url)
+    raise ValueError(f"unknown directory URL {url!r}: use memory:// or redis://host:port/db")

@@ -1,0 +1,40 @@
+"""In-process directory: the embedded default of `envserve up` (one process, no Redis)."""
+from __future__ import annotations
+
+import threading
+import time
+
+from .base import Directory, ReplicaInfo
+
+
+class MemoryDirectory(Directory):
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._replicas: dict[str, tuple[ReplicaInfo, float]] = {}  # id -> (info, expires monotonic)
+
+    def heartbeat(self, info: ReplicaInfo, ttl_seconds: float) -> None:
+        info.heartbeat_unix = time.time()
+        with self._lock:
+            self._replicas[info.replica_id] = (info, time.monotonic() + ttl_seconds)
+
+    def deregister(self, replica_id: str) -> None:
+        with self._lock:
+            self._replicas.pop(replica_id, None)
+
+    def replicas(self, env_id: str | None = None) -> list[ReplicaInfo]:
+        now = time.monotonic()
+        with self._lock:
+            for rid in [rid for rid, (_, exp) in self._replicas.items() if exp <= now]:
+                del self._replicas[rid]
+            found = [info for info, _ in self._replicas.values()]
+        return [r for r in found if env_id is None or env_id in r.envs]
+
+
+_shared: dict[str, MemoryDirectory] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_memory_directory(name: str = "") -> MemoryDirectory:
+    """One directory per name per process, so a server and clients in one process meet."""
+    with _shared_lock:
+        return _shared.setdefault(name, MemoryDirectory())

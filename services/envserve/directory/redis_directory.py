@@ -1,0 +1,87 @@
+"""Redis directory. Keys (under a prefix, default `envserve`):
+  {p}:replica:{id}  the ReplicaInfo JSON, expiring ttl after the last heartbeat
+  {p}:replicas      a sorted set of replica ids scored by expiry time, the index to read them by
+The per-replica key's TTL is the truth; the index is pruned as entries expire. Nothing is stored
+that heartbeats do not rewrite, so a restarted (empty) Redis is whole again after one period.
+"""
+from __future__ import annotations
+
+import time
+from urllib.parse import parse_qs, urlsplit, urlunsplit
+
+import redis
+
+from .base import Directory, DirectoryUnavailable, ReplicaInfo
+
+
+class RedisDirectory(Directory):
+    def __init__(self, client: "redis.Redis", prefix: str = "envserve"):
+        self.client = client
+        self.prefix = prefix
+
+    @classmethod
+    def from_url(cls, url: str) -> "RedisDirectory":
+        parts = urlsplit(url)
+        query = parse_qs(parts.query)
+        prefix = query.pop("prefix", ["envserve"])[0]
+        rest = "&".join(f"{k}={v[0]}" for k, v in query.items())
+        clean = urlunsplit((parts.scheme, parts.netloc, parts.path, rest, ""))
+        client = redis.Redis.from_url(clean, socket_timeout=2.0, socket_connect_timeout=2.0,
+                                      health_check_interval=10)
+        return cls(client, prefix)
+
+    def _key(self, replica_id: str) -> str:
+        return f"{self.prefix}:replica:{replica_id}"
+
+    @property
+    def _index(self) -> str:
+        return f"{self.prefix}:replicas"
+
+    def heartbeat(self, info: ReplicaInfo, ttl_seconds: float) -> None:
+        info.heartbeat_unix = time.time()
+        ttl_ms = max(1, int(ttl_seconds * 1000))
+        try:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.set(self._key(info.replica_id), info.to_json(), px=ttl_ms)
+            pipe.zadd(self._index, {info.replica_id: info.heartbeat_unix + ttl_seconds})
+            pipe.execute()
+        except redis.RedisError as e:
+            raise DirectoryUnavailable(f"redis: {e}") from e
+
+    def deregister(self, replica_id: str) -> None:
+        try:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.delete(self._key(replica_id))
+            pipe.zrem(self._index, replica_id)
+            pipe.execute()
+        except redis.RedisError as e:
+            raise DirectoryUnavailable(f"redis: {e}") from e
+
+    def replicas(self, env_id: str | None = None) -> list[ReplicaInfo]:
+        try:
+            # Scores are expiry times from the writers' clocks; the key TTLs decide who is alive.
+            self.client.zremrangebyscore(self._index, "-inf", time.time() - 3600)
+            ids = [i.decode() for i in self.client.zrange(self._index, 0, -1)]
+            if not ids:
+                return []
+            values = self.client.mget([self._key(i) for i in ids])
+        except redis.RedisError as e:
+            raise DirectoryUnavailable(f"redis: {e}") from e
+        gone = [i for i, v in zip(ids, values) if v is None]
+        if gone:
+            try:
+                self.client.zrem(self._index, *gone)
+            except redis.RedisError:
+                pass
+        found = [ReplicaInfo.from_json(v) for v in values if v is not None]
+        return [r for r in found if env_id is None or env_id in r.envs]
+
+    def get(self, replica_id: str) -> ReplicaInfo | None:
+        try:
+            v = self.client.get(self._key(replica_id))
+        except redis.RedisError as e:
+            raise DirectoryUnavailable(f"redis: {e}") from e
+        return ReplicaInfo.from_json(v) if v is not None else None
+
+    def close(self) -> None:
+        self.client.close()
