@@ -16,7 +16,9 @@ _LINE = re.compile(r"serving .* on ([\d.]+:\d+) with \d+ workers(?:, metrics on 
 
 
 class ServerProcess:
-    def __init__(self, envs, workers=2, extra=(), metrics=True, env_vars=None):
+    def __init__(self, envs, workers=2, extra=(), metrics=True, env_vars=None, tls_ca=None):
+        # tls_ca: the CA's PEM bytes, or whole grpc.ChannelCredentials (mutual TLS).
+        self.tls_ca = tls_ca
         cmd = [sys.executable, "-u", "-m", "envserve.cli", "serve", *envs, "--port", "0",
                "--workers", str(workers), *extra]
         if metrics:
@@ -49,7 +51,11 @@ class ServerProcess:
             self.output.append(line)
 
     def wait_serving(self, timeout=30.0):
-        with grpc.insecure_channel(self.address) as ch:
+        creds = self.tls_ca
+        if isinstance(creds, bytes):
+            creds = grpc.ssl_channel_credentials(creds)
+        ch = grpc.secure_channel(self.address, creds) if creds else grpc.insecure_channel(self.address)
+        with ch:
             stub = health_pb2_grpc.HealthStub(ch)
             deadline = time.time() + timeout
             while time.time() < deadline:
@@ -96,3 +102,56 @@ class ServerProcess:
 
     def __exit__(self, *exc):
         self.kill()
+
+
+class RedisProcess:
+    """A real redis-server on a loopback port, with no persistence: a restart empties it,
+    as a Redis pod without a volume would be."""
+
+    def __init__(self, port: int = 0):
+        import shutil
+        import socket
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
+        if not port:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        self.port = port
+        self.proc = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        import redis
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if client.ping():
+                    return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

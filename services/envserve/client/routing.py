@@ -175,13 +175,23 @@ class RoutedClient:
                 batch = getattr(fut.result(), field)
             except grpc.RpcError as e:
                 # The replica as a whole failed (down, or refusing the token): its items only.
+                # Unreachable and gone from the directory means dead: its sessions are lost.
+                gone = e.code() == grpc.StatusCode.UNAVAILABLE and not self._still_listed(r.replica_id)
                 for i in indices:
-                    results[i] = _item_failure(sid_of(items[i]), e.code(),
-                                               f"replica {r.replica_id} at {self._address(r)}: {e.details()}")
+                    sid = sid_of(items[i])
+                    results[i] = self._lost(sid, r.replica_id) if gone else _item_failure(
+                        sid, e.code(), f"replica {r.replica_id} at {self._address(r)}: {e.details()}")
                 continue
             for i, res in zip(indices, batch):
                 results[i] = res
         return results
+
+    def _still_listed(self, replica_id: str) -> bool:
+        try:
+            self.replicas(refresh=True)
+        except DirectoryUnavailable:
+            return True  # cannot tell: report it unavailable, not lost
+        return replica_id in self._known
 
     def _lost(self, sid: str, rid: str) -> pb.StepResult:
         return _item_failure(sid, grpc.StatusCode.DATA_LOSS,

@@ -1,0 +1,150 @@
+"""Bearer tokens bound to sessions, the state service's own token, and TLS, on real servers."""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from envserve.client import (AsyncEnvClient, EnvClient, PermissionDeniedError, UnauthenticatedError,
+                             UnavailableError, check)
+from serverproc import ServerProcess
+
+ALICE, BOB, JUDGE = "alice-token-1", "bob-token-2", "judge-token-3"
+DENIED = grpc.StatusCode.PERMISSION_DENIED.value[0]
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    tokens = tmp_path_factory.mktemp("tokens") / "tokens.txt"
+    tokens.write_text(f"# session tokens\n{ALICE}\n{BOB}\n")
+    with ServerProcess(["sokoban"], workers=2, metrics=False,
+                       extra=["--token-file", str(tokens)], env_vars={"ENVSERVE_STATE_TOKENS": JUDGE}) as s:
+        yield s
+
+
+def test_missing_and_wrong_tokens_are_unauthenticated(secured):
+    for token in (None, "not-a-token"):
+        with EnvClient(secured.address, token=token) as c:
+            with pytest.raises(UnauthenticatedError):
+                c.open("sokoban", 1)
+            with pytest.raises(UnauthenticatedError):
+                c.list_envs()
+            with pytest.raises(UnauthenticatedError):
+                c.step([("x/y", "<answer>Up</answer>")])
+
+
+def test_a_session_belongs_to_the_token_that_opened_it(secured):
+    with EnvClient(secured.address, token=ALICE) as alice, EnvClient(secured.address, token=BOB) as bob:
+        mine = alice.open("sokoban", 2)
+        check(alice.reset(mine, 1)[0])
+        theirs = bob.open("sokoban", 1)
+        bob.reset(theirs, 2)
+        # A mixed batch: Bob's own session steps, Alice's are refused item by item.
+        results = bob.step([(mine[0], "<answer>Up</answer>"), (theirs[0], "<answer>Up</answer>"),
+                            (mine[1], "<answer>Up</answer>")])
+        assert [r.status.code for r in results] == [DENIED, 0, DENIED]
+        assert "another token" in results[0].status.message
+        with pytest.raises(PermissionDeniedError):
+            check(bob.reset([mine[0]])[0])
+        with pytest.raises(PermissionDeniedError):
+            bob.fork(mine[0], 1)
+        assert bob.close_sessions([mine[0]])[0].code == DENIED
+        # Nothing Bob did touched Alice's session: it is at turn 0 and still open.
+        assert check(alice.step_one(mine[0], "<answer>Up</answer>")).turn == 1
+        assert alice.close_sessions(mine)[0].code == 0
+
+
+def test_streaming_refuses_foreign_sessions(secured):
+    async def run():
+        async with AsyncEnvClient(secured.address, token=ALICE) as alice, \
+                AsyncEnvClient(secured.address, token=BOB) as bob:
+            sid = (await alice.open("sokoban", 1))[0]
+            await alice.reset([sid], 4)
+            async with bob.stream() as s:
+                s.send_step(sid, "<answer>Up</answer>")
+                (tag, result), = await s.recv()
+            return result
+    assert asyncio.run(run()).status.code == DENIED
+
+
+def test_state_service_needs_its_own_token(secured):
+    with EnvClient(secured.address, token=ALICE) as alice, \
+            EnvClient(secured.address, token=JUDGE) as judge_on_env:
+        sid = alice.open("sokoban", 1)[0]
+        alice.reset_one(sid, 5)
+        # The policy's token cannot read the ground truth, even of its own session.
+        with pytest.raises(PermissionDeniedError, match="state token"):
+            alice.get_state(sid)
+        # The judge's token reads any session's truth but cannot act.
+        with pytest.raises(PermissionDeniedError):
+            judge_on_env.open("sokoban", 1)
+        state = judge_on_env.get_state(sid)
+        assert state.session_id == sid and state.anchor
+    with EnvClient(secured.address, token=ALICE, state_token=JUDGE) as both:
+        assert both.get_state(sid).turn == 0
+    with EnvClient(secured.address) as nobody:
+        with pytest.raises(UnauthenticatedError):
+            nobody.get_state(sid)
+
+
+def test_without_state_tokens_the_owner_reads_its_own_state():
+    with ServerProcess(["sokoban"], workers=1, metrics=False, env_vars={"ENVSERVE_TOKENS": f"{ALICE},{BOB}"}) as s:
+        with EnvClient(s.address, token=ALICE) as alice, EnvClient(s.address, token=BOB) as bob:
+            sid = alice.open("sokoban", 1)[0]
+            alice.reset_one(sid, 5)
+            assert alice.get_state(sid).session_id == sid
+            with pytest.raises(PermissionDeniedError):
+                bob.get_state(sid)
+
+
+def _openssl(*args, cwd):
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, made with openssl."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    d = tmp_path_factory.mktemp("pki")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=envserve test CA",
+             "-keyout", "ca.key", "-out", "ca.pem", cwd=d)
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name in ("server", "client"):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
+                 "-out", f"{name}.csr", cwd=d)
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-days", "2", "-extfile", "san.ext", "-out", f"{name}.pem", cwd=d)
+    return d
+
+
+def test_tls_serves_clients_that_trust_its_ca(pki):
+    ca = (pki / "ca.pem").read_bytes()
+    with ServerProcess(["sokoban"], workers=1, metrics=False, tls_ca=ca,
+                       extra=["--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key")]) as s:
+        with EnvClient(s.address, root_certificates=str(pki / "ca.pem")) as c:
+            sid = c.open("sokoban", 1)[0]
+            assert check(c.reset_one(sid, 0)).observation.text
+        with EnvClient(s.address, timeout=5) as plain:  # a plaintext client cannot talk to it
+            with pytest.raises(UnavailableError):
+                plain.list_envs()
+        health = subprocess.run([sys.executable, "-m", "envserve.cli", "health", "--address", s.address, "--tls-ca", str(pki / "ca.pem")],
+                                capture_output=True, text=True)
+        assert health.returncode == 0 and "SERVING" in health.stdout
+
+
+def test_mutual_tls_requires_a_client_certificate(pki):
+    ca = (pki / "ca.pem").read_bytes()
+    extra = ["--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"),
+             "--tls-client-ca", str(pki / "ca.pem")]
+    pass_ = grpc.ssl_channel_credentials(ca, (pki / "client.key").read_bytes(), (pki / "client.pem").read_bytes())
+    with ServerProcess(["sokoban"], workers=1, metrics=False, extra=extra, tls_ca=pass_) as s:
+        with EnvClient(s.address, channel=grpc.secure_channel(s.address, pass_)) as c:
+            assert [e.env_id for e in c.list_envs()] == ["sokoban"]
+        with EnvClient(s.address, root_certificates=ca, timeout=5) as no_cert:
+            with pytest.raises(UnavailableError):
+                no_cert.list_envs()

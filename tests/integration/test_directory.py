@@ -1,0 +1,172 @@
+"""The directory and routing across replicas, with a real redis-server and real replica processes."""
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from envserve.client import RoutedClient, check
+from envserve.directory import ReplicaInfo, open_directory, replica_of
+from envserve.directory.memory import MemoryDirectory
+from serverproc import RedisProcess, ServerProcess
+
+HEARTBEAT = 0.5  # seconds; the directory forgets a replica two periods after its last heartbeat
+LOST = grpc.StatusCode.DATA_LOSS.value[0]
+
+
+@pytest.fixture
+def redis_server():
+    try:
+        server = RedisProcess()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    with server:
+        yield server
+
+
+def _info(rid, envs=("sokoban",), live=0, capacity=100, draining=False):
+    return ReplicaInfo(replica_id=rid, address=f"{rid}:1", envs=list(envs), capacity=capacity,
+                       live_sessions=live, draining=draining)
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_directory_heartbeat_ttl_filter_and_deregister(kind, request):
+    if kind == "redis":
+        d = open_directory(request.getfixturevalue("redis_server").url + "?prefix=t1")
+    else:
+        d = MemoryDirectory()
+    d.heartbeat(_info("a", ("sokoban", "frozenlake"), live=3), ttl_seconds=0.4)
+    d.heartbeat(_info("b", ("minesweeper",)), ttl_seconds=60)
+    assert sorted(r.replica_id for r in d.replicas()) == ["a", "b"]
+    assert [r.replica_id for r in d.replicas("frozenlake")] == ["a"]
+    got = d.get("a")
+    assert got.live_sessions == 3 and got.envs == ["sokoban", "frozenlake"] and got.heartbeat_unix > 0
+    assert d.locate("a/0123abcd").replica_id == "a"
+    assert d.locate("nosuch/0123abcd") is None
+    time.sleep(0.6)  # a's TTL lapses without a heartbeat
+    assert [r.replica_id for r in d.replicas()] == ["b"]
+    d.deregister("b")
+    assert d.replicas() == []
+
+
+def test_redis_prefixes_keep_stacks_apart(redis_server):
+    one = open_directory(redis_server.url + "?prefix=one")
+    two = open_directory(redis_server.url + "?prefix=two")
+    one.heartbeat(_info("x"), 60)
+    assert [r.replica_id for r in one.replicas()] == ["x"]
+    assert two.replicas() == []
+
+
+def test_plan_spreads_by_load_and_skips_draining_and_full():
+    d = MemoryDirectory()
+    d.heartbeat(_info("busy", live=50), 60)
+    d.heartbeat(_info("idle", live=0), 60)
+    d.heartbeat(_info("draining", live=0, draining=True), 60)
+    d.heartbeat(_info("small", live=0, capacity=5), 60)
+    client = RoutedClient(d)
+    shares = client.plan("sokoban", 100)
+    assert "draining" not in shares and sum(shares.values()) == 100
+    # Water-filling by fill fraction: afterwards idle 73/100, busy 73/100, small 4/5.
+    assert shares == {"idle": 73, "busy": 23, "small": 4}
+    # Never past a replica's capacity: 250 places exist (100 + 50 + 5 left), 300 asked.
+    shares = client.plan("sokoban", 300)
+    assert shares == {"idle": 100, "busy": 50, "small": 5}
+    assert client.plan("frozenlake", 10) == {}
+
+
+def _serve(redis_url, replica_id):
+    return ServerProcess(["sokoban"], workers=1, metrics=False, extra=[
+        "--directory", redis_url, "--heartbeat-seconds", str(HEARTBEAT), "--replica-id", replica_id])
+
+
+def _wait_listed(directory, replica_ids, timeout=30.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if {r.replica_id for r in directory.replicas("sokoban")} == set(replica_ids):
+                return
+        except Exception:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"directory never listed exactly {replica_ids}")
+
+
+def test_two_replicas_failover_and_redis_restart(redis_server):
+    a, b = _serve(redis_server.url, "replica-a"), _serve(redis_server.url, "replica-b")
+    try:
+        directory = open_directory(redis_server.url)
+        _wait_listed(directory, ["replica-a", "replica-b"])
+        client = RoutedClient(redis_server.url)
+
+        ids = client.open("sokoban", 200)
+        owners = [replica_of(s) for s in ids]
+        assert owners.count("replica-a") == 100 and owners.count("replica-b") == 100
+        results = client.reset(ids, list(range(200)))
+        assert all(r.status.code == 0 for r in results), results[0].status
+        assert [r.session_id for r in results] == ids  # order kept across replicas
+        stepped = client.step([(s, "<answer>Up</answer>") for s in ids])
+        assert all(r.status.code == 0 and r.turn == 1 for r in stepped)
+
+        # kill -9 replica a (with its workers), as a node failure would.
+        killed_at = time.monotonic()
+        a.kill()
+        on_a = [s for s in ids if replica_of(s) == "replica-a"]
+        on_b = [s for s in ids if replica_of(s) == "replica-b"]
+        # Its directory entry expires at most two heartbeat periods after its last heartbeat.
+        time.sleep(max(0.0, 2 * HEARTBEAT + 0.05 - (time.monotonic() - killed_at)))
+        after = client.step([(s, "<answer>Down</answer>") for s in ids])
+        by_sid = {r.session_id: r for r in after}
+        assert all(by_sid[s].status.code == LOST for s in on_a), by_sid[on_a[0]].status
+        assert "session lost" in by_sid[on_a[0]].status.message
+        assert all(by_sid[s].status.code == 0 for s in on_b)
+        assert [r.replica_id for r in directory.replicas()] == ["replica-b"]
+        new = client.open("sokoban", 20)
+        assert {replica_of(s) for s in new} == {"replica-b"}
+        assert all(r.status.code == 0 for r in client.reset(new, 3))
+
+        # Redis restarts empty: the directory is gone until the next heartbeat rewrites it.
+        redis_server.restart()
+        assert directory.replicas() == []
+        # Sessions keep stepping meanwhile: the data path does not go through the directory.
+        assert all(r.status.code == 0 for r in client.step([(s, "<answer>Left</answer>") for s in new]))
+        _wait_listed(directory, ["replica-b"])
+        fresh = RoutedClient(redis_server.url)
+        more = fresh.open("sokoban", 10)
+        assert {replica_of(s) for s in more} == {"replica-b"}
+        check(fresh.reset([more[0]], [7])[0])
+        statuses = fresh.close_sessions(more + on_a[:1])
+        assert [s.code for s in statuses[:10]] == [0] * 10 and statuses[10].code == LOST
+        fresh.close()
+        client.close()
+    finally:
+        a.kill()
+        b.kill()
+
+
+def test_draining_replica_leaves_routing(redis_server):
+    a, b = _serve(redis_server.url, "drain-a"), _serve(redis_server.url, "drain-b")
+    try:
+        directory = open_directory(redis_server.url)
+        _wait_listed(directory, ["drain-a", "drain-b"])
+        a.proc.send_signal(15)  # SIGTERM: drain, then deregister
+        a.proc.wait(30)
+        assert [r.replica_id for r in directory.replicas()] == ["drain-b"]
+        client = RoutedClient(redis_server.url)
+        assert {replica_of(s) for s in client.open("sokoban", 8)} == {"drain-b"}
+        client.close()
+    finally:
+        a.kill()
+        b.kill()
+
+
+def test_routed_client_falls_back_when_a_replica_refuses():
+    """A replica listed in the directory but unreachable: Open goes to the next one."""
+    with ServerProcess(["sokoban"], workers=1, metrics=False) as live:
+        d = MemoryDirectory()
+        d.heartbeat(ReplicaInfo("dead", "127.0.0.1:1", ["sokoban"], capacity=100), 60)
+        d.heartbeat(ReplicaInfo("live", live.address, ["sokoban"], capacity=100, live_sessions=90), 60)
+        client = RoutedClient(d, timeout=10)
+        ids = client.open("sokoban", 4)
+        assert len(ids) == 4
+        client.close()
