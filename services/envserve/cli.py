@@ -109,6 +109,20 @@ def cmd_ls(args) -> int:
     return 0
 
 
+def cmd_replicas(args) -> int:
+    """The live replicas a directory lists, with their load."""
+    from envserve.directory import open_directory
+    with open_directory(args.directory) as d:
+        found = d.replicas(args.env or None)
+    for r in sorted(found, key=lambda r: r.replica_id):
+        state = "draining" if r.draining else "serving"
+        print(f"{r.replica_id:28s} {r.address:22s} {r.live_sessions:>6d}/{r.capacity:<6d} {state:8s} "
+              f"{','.join(r.envs)}")
+    if not found:
+        print("no live replicas", file=sys.stderr)
+    return 0 if found else 1
+
+
 def cmd_play(args) -> int:
     """A person plays one episode in the terminal, against a server or an embedded one."""
     from envserve.client import EnvClient
@@ -191,6 +205,11 @@ def main(argv=None) -> int:
     p = sub.add_parser("ls", help="list environments (registered here, or served at --address)")
     p.add_argument("--address", default="")
     p.set_defaults(fn=cmd_ls)
+    p = sub.add_parser("replicas", help="list the live replicas in a directory")
+    p.add_argument("--directory", default=os.environ.get("ENVSERVE_DIRECTORY", ""),
+                   help="redis://host:6379/0 [$ENVSERVE_DIRECTORY]")
+    p.add_argument("--env", default="", help="only replicas serving this environment")
+    p.set_defaults(fn=cmd_replicas)
     p = sub.add_parser("play", help="play an environment in the terminal")
     p.add_argument("env")
     p.add_argument("--seed", type=int, default=0)

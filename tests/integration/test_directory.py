@@ -1,6 +1,8 @@
 """The directory and routing across replicas, with a real redis-server and real replica processes."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import grpc
@@ -149,6 +151,10 @@ def test_draining_replica_leaves_routing(redis_server):
     try:
         directory = open_directory(redis_server.url)
         _wait_listed(directory, ["drain-a", "drain-b"])
+        listing = subprocess.run([sys.executable, "-m", "envserve.cli", "replicas", "--directory", redis_server.url],
+                                 capture_output=True, text=True)
+        assert listing.returncode == 0
+        assert [line.split()[0] for line in listing.stdout.splitlines()] == ["drain-a", "drain-b"]
         a.proc.send_signal(15)  # SIGTERM: drain, then deregister
         a.proc.wait(30)
         assert [r.replica_id for r in directory.replicas()] == ["drain-b"]
