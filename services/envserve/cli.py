@@ -89,7 +89,40 @@ def cmd_up(args) -> int:
     from envserve.server.app import run
     envs = args.envs or env_ids()
     print(f"envserve up: {len(envs)} environments; connect with EnvClient('{args.host}:{args.port}')", flush=True)
+    if args.http_port >= 0:
+        _web_beside_replica(args)
     run(_config(args, envs))
+    return 0
+
+
+def _web_beside_replica(args) -> None:
+    """The HTTP facade in this process; it finds the replica through the same directory
+    (memory:// by default, where the replica registers itself)."""
+    from envserve.web import create_app, start_in_thread
+    from envserve.web.server import display
+    _, port = start_in_thread(create_app(directory_url=args.directory or "memory://"), args.http_host, args.http_port)
+    print(f"envserve web on {display(args.http_host, port)}", flush=True)
+
+
+def cmd_web(args) -> int:
+    """The HTTP/JSON facade and the live sessions page, over the replicas of a directory and/or
+    fixed addresses."""
+    from envserve.web import create_app, serve
+    if not args.directory and not args.replica:
+        print("envserve web: give --directory URL and/or --replica HOST:PORT", file=sys.stderr)
+        return 2
+    root = None
+    if args.tls_ca:
+        with open(args.tls_ca, "rb") as f:
+            root = f.read()
+    token = os.environ.get("ENVSERVE_MONITOR_TOKEN", "")
+    if args.monitor_token_file:
+        from envserve.server.auth import read_tokens
+        token = (read_tokens(args.monitor_token_file) or ("",))[0]
+    app = create_app(directory_url=args.directory, replicas=args.replica, root_certificates=root,
+                     use_external=args.external, monitor_token=token or None, timeout=args.timeout)
+    sources = ([f"directory {args.directory}"] if args.directory else []) + list(args.replica)
+    serve(app, args.host, args.port, announce=f" over {', '.join(sources)}")
     return 0
 
 
@@ -201,7 +234,21 @@ def main(argv=None) -> int:
     p = sub.add_parser("up", help="a local stack of all registered environments")
     p.add_argument("envs", nargs="*", help="default: all registered")
     _server_args(p, 50051)
+    p.add_argument("--http-port", type=int, default=-1, help="also serve the HTTP facade and live page (-1: off)")
+    p.add_argument("--http-host", default="127.0.0.1")
     p.set_defaults(fn=cmd_up)
+    p = sub.add_parser("web", help="HTTP/JSON facade and live sessions page over replicas")
+    p.add_argument("--directory", default=os.environ.get("ENVSERVE_DIRECTORY", ""),
+                   help="redis://host:6379/0 (or memory://) [$ENVSERVE_DIRECTORY]")
+    p.add_argument("--replica", action="append", default=[], metavar="HOST:PORT", help="a fixed replica (repeatable)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080, help="HTTP port (0: any free port)")
+    p.add_argument("--tls-ca", default="", help="CA certificate of replicas that serve TLS")
+    p.add_argument("--external", action="store_true", help="reach replicas at their external addresses")
+    p.add_argument("--monitor-token-file", default="",
+                   help="token the page watches sessions with when a request brings none [$ENVSERVE_MONITOR_TOKEN]")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per gRPC call")
+    p.set_defaults(fn=cmd_web)
     p = sub.add_parser("ls", help="list environments (registered here, or served at --address)")
     p.add_argument("--address", default="")
     p.set_defaults(fn=cmd_ls)

@@ -148,3 +148,20 @@ def test_mutual_tls_requires_a_client_certificate(pki):
         with EnvClient(s.address, root_certificates=ca, timeout=5) as no_cert:
             with pytest.raises(UnavailableError):
                 no_cert.list_envs()
+
+
+def test_monitor_service_is_authorised_like_state(secured):
+    from envserve.v1 import envserve_pb2 as pb
+    from envserve.v1 import envserve_pb2_grpc as pb_grpc
+    with EnvClient(secured.address, token=ALICE) as alice:
+        sid = alice.open("sokoban", 1)[0]
+        alice.reset_one(sid, 5)
+    with grpc.insecure_channel(secured.address) as ch:
+        stub = pb_grpc.MonitorServiceStub(ch)
+        for token, code in ((None, grpc.StatusCode.UNAUTHENTICATED), (ALICE, grpc.StatusCode.PERMISSION_DENIED)):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.ListSessions(pb.ListSessionsRequest(), metadata=(("authorization", f"Bearer {token}"),)
+                                  if token else None)
+            assert e.value.code() == code
+        seen = stub.ListSessions(pb.ListSessionsRequest(), metadata=(("authorization", f"Bearer {JUDGE}"),))
+        assert sid in [s.session_id for s in seen.sessions]

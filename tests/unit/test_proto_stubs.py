@@ -18,7 +18,9 @@ def test_generated_stubs_match_proto(tmp_path):
 
 def test_every_rpc_is_served():
     from envserve.v1 import envserve_pb2 as pb
+    from envserve.server.monitor import MonitorService
     from envserve.server.service import EnvService, StateService
-    for service, impl in (("EnvService", EnvService), ("StateService", StateService)):
+    for service, impl in (("EnvService", EnvService), ("StateService", StateService),
+                          ("MonitorService", MonitorService)):
         for method in pb.DESCRIPTOR.services_by_name[service].methods:
             assert method.name in impl.__dict__, f"{service}.{method.name} has no implementation"

@@ -10,6 +10,7 @@ import collections
 import hashlib
 import json
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -128,6 +129,13 @@ class Session:
         # Texts stepped since the last reset: the replay log for envs that cannot snapshot.
         self.replay_log: list[str] = []
         self.history: collections.deque = collections.deque(maxlen=max(1, int(self.config["history_turns"])))
+        # The latest turn at a glance, for monitors (summary()); the observation text is history[-1].
+        self.last_action = ""
+        self.last_reward = 0.0
+        self.episode_return = 0.0
+        self.success = False
+        self.truncated = False
+        self.updated_unix = time.time()
 
     def system_prompt(self) -> str:
         """The env's system prompt plus how to answer in this session's action format."""
@@ -147,6 +155,8 @@ class Session:
         self.turn = 0
         self.done = False
         self.replay_log = []
+        self.last_action, self.last_reward, self.episode_return = "", 0.0, 0.0
+        self.success = self.truncated = False
         result = TurnResult(text="")
         result.info = {"seed": self.seed, **({"split": split} if split else {})}
         self.anchor = ""
@@ -221,6 +231,10 @@ class Session:
         if not result.done and self.turn >= cfg["max_turns"]:
             result.truncated = True
             self.done = True
+        self.last_action = text
+        self.last_reward = result.reward
+        self.episode_return += result.reward
+        self.success, self.truncated = result.success, result.truncated
         return self._finish(result, executed)
 
     def _finish(self, result: TurnResult, executed: list[str]) -> TurnResult:
@@ -242,7 +256,19 @@ class Session:
             "episode": self.episode, "turn": self.turn, "state": truth.state,
             "relations": list(truth.relations), "anchor": anchor, "observation_text": text,
         })
+        self.updated_unix = time.time()
         return result
+
+    def summary(self) -> dict:
+        """The latest turn at a glance (for monitors): no image, which the server keeps encoded."""
+        return {
+            "env_id": self.env_id, "action_format": self.action_format, "started": self.seed is not None,
+            "episode": max(self.episode, 0), "turn": self.turn, "reward": self.last_reward,
+            "episode_return": self.episode_return, "done": self.done and not self.truncated,
+            "truncated": self.truncated, "success": self.success, "last_action": self.last_action,
+            "updated_unix": self.updated_unix,
+            "observation_text": self.history[-1]["observation_text"] if self.history else "",
+        }
 
     def get_state(self, turn: int = -1, episode: int | None = None) -> dict:
         if not self.history:
@@ -273,6 +299,7 @@ class Session:
             "seed": self.seed, "task_options": self.task_options, "episode": self.episode,
             "turn": self.turn, "done": self.done, "anchor": self.anchor,
             "replay_log": list(self.replay_log), "history": list(self.history),
+            "progress": (self.last_action, self.last_reward, self.episode_return, self.success, self.truncated),
         }
         if self.spec.supports_snapshot and self.seed is not None:
             blob["env_snapshot"] = self.env.snapshot()
@@ -294,6 +321,8 @@ class Session:
         s.episode, s.turn, s.done, s.anchor = blob["episode"], blob["turn"], blob["done"], blob["anchor"]
         s.replay_log = list(blob["replay_log"])
         s.history.extend(blob["history"])
+        if "progress" in blob:
+            s.last_action, s.last_reward, s.episode_return, s.success, s.truncated = blob["progress"]
         return s
 
     def _replay_turn(self, text: str) -> None:

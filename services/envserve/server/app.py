@@ -5,6 +5,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -19,10 +20,11 @@ from envserve.directory import Directory, DirectoryUnavailable, ReplicaInfo, ope
 
 from .config import ServerConfig
 from .metrics import Metrics
+from .monitor import MonitorService
 from .service import EnvService, Replica, StateService
 
 log = logging.getLogger("envserve.server")
-SERVICE_NAMES = ("envserve.v1.EnvService", "envserve.v1.StateService")
+SERVICE_NAMES = ("envserve.v1.EnvService", "envserve.v1.StateService", "envserve.v1.MonitorService")
 
 
 def add_env_service(servicer: EnvService, server: grpc.aio.Server) -> None:
@@ -63,6 +65,7 @@ class ReplicaServer:
         self.port = 0
         self.metrics_port = 0
         self.directory: Directory | None = None
+        self.started_unix = time.time()
         self._heartbeat: asyncio.Task | None = None
         self._stopped = asyncio.Event()
 
@@ -73,6 +76,7 @@ class ReplicaServer:
         self.server = grpc.aio.server(options=opts)
         add_env_service(EnvService(self.replica), self.server)
         pb_grpc.add_StateServiceServicer_to_server(StateService(self.replica), self.server)
+        pb_grpc.add_MonitorServiceServicer_to_server(MonitorService(self.replica), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
@@ -102,7 +106,8 @@ class ReplicaServer:
             external_address=self.config.external_address, envs=list(self.config.env_ids),
             capacity=self.config.max_sessions, live_sessions=len(self.replica.sessions),
             draining=self.replica.draining, tls=bool(self.config.tls_cert_file),
-            http_address=f"{metrics_host}:{self.metrics_port}" if self.metrics_port else "")
+            http_address=f"{metrics_host}:{self.metrics_port}" if self.metrics_port else "",
+            started_unix=self.started_unix)
 
     async def _beat(self) -> bool:
         try:

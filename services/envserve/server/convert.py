@@ -44,14 +44,29 @@ def png_bytes(array) -> bytes:
     return buf.getvalue()
 
 
-def encode_turn(session_id: str, r: TurnResult) -> bytes:
-    """The serialized StepResult of a turn (see wire.py for why it is written by hand)."""
-    images = []
-    if r.image is not None:
-        h, w = r.image.shape[:2]
-        channels = r.image.shape[2] if r.image.ndim == 3 else 1
-        images.append(wire.image_bytes(png_bytes(r.image), h, w, channels, "observation"))
-    return wire.step_result(session_id, r, images)
+def image_of(r: TurnResult) -> bytes | None:
+    """The turn's image as a serialized Image (PNG), or None."""
+    if r.image is None:
+        return None
+    h, w = r.image.shape[:2]
+    channels = r.image.shape[2] if r.image.ndim == 3 else 1
+    return wire.image_bytes(png_bytes(r.image), h, w, channels, "observation")
+
+
+def encode_turn(session_id: str, r: TurnResult, image: bytes | None = None) -> bytes:
+    """The serialized StepResult of a turn (see wire.py for why it is written by hand);
+    `image` is the turn's image_of() when the caller already encoded it."""
+    if image is None:
+        image = image_of(r)
+    return wire.step_result(session_id, r, [image] if image is not None else [])
+
+
+def summary_bytes(session_id: str, summary: dict, image: bytes | None) -> bytes:
+    """A serialized SessionSummary from Session.summary() and the latest serialized Image."""
+    msg = pb.SessionSummary(session_id=session_id, **summary)
+    if image is not None:
+        msg.image.ParseFromString(image)
+    return msg.SerializeToString()
 
 
 def error_result(session_id: str, code: str, message: str) -> pb.StepResult:

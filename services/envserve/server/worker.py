@@ -31,6 +31,9 @@ def _malloc_trim() -> None:
 class Worker:
     def __init__(self) -> None:
         self.sessions: dict[str, Session] = {}
+        # Each session's latest image as a serialized PNG Image, for MonitorService: kept encoded
+        # (a 128 px grid PNG is about 0.7 KB against 49 KB raw).
+        self.images: dict[str, bytes] = {}
 
     # Each op returns what the front receives; per-item ops return serialized StepResults.
     def op_open(self, payload):
@@ -51,7 +54,11 @@ class Worker:
         if session is None:
             return convert.error_result(sid, "NOT_FOUND", f"unknown session {sid}").SerializeToString()
         try:
-            return convert.encode_turn(sid, fn(session))
+            result = fn(session)
+            image = convert.image_of(result)
+            if image is not None:
+                self.images[sid] = image
+            return convert.encode_turn(sid, result, image)
         except SessionError as e:
             return convert.error_result(sid, e.code, e.message).SerializeToString()
         except Exception as e:  # an env bug fails its item, not the batch
@@ -78,6 +85,7 @@ class Worker:
         found = []
         for sid in ids:
             s = self.sessions.pop(sid, None)
+            self.images.pop(sid, None)
             found.append(s is not None)
             if s is not None:
                 try:
@@ -92,13 +100,17 @@ class Worker:
         s = self.sessions.get(sid)
         if s is None:
             return ("error", "NOT_FOUND", f"unknown session {sid}")
-        return ("ok", s.to_blob())
+        blob = s.to_blob()
+        blob["monitor_image"] = self.images.get(sid)  # a fork shows its image before its first step
+        return ("ok", blob)
 
     def op_adopt(self, payload):
         blob, ids = payload
         try:
             for sid in ids:
                 self.sessions[sid] = Session.from_blob(blob)
+                if blob.get("monitor_image") is not None:
+                    self.images[sid] = blob["monitor_image"]
         except SessionError as e:
             return ("error", e.code, e.message)
         except Exception as e:
@@ -115,6 +127,15 @@ class Worker:
             return ("ok", convert.state_to_proto(sid, s.get_state(turn, episode)).SerializeToString())
         except SessionError as e:
             return ("error", e.code, e.message)
+
+    def op_summaries(self, payload):
+        """The latest turn of each of `sids` held here, most recently updated first, at most
+        `limit`: [(updated_unix, serialized SessionSummary)]. Reads only; renews nothing."""
+        sids, limit, include_images = payload
+        found = [(s.updated_unix, sid, s) for sid in sids if (s := self.sessions.get(sid)) is not None]
+        found.sort(key=lambda t: t[0], reverse=True)
+        return [(updated, convert.summary_bytes(sid, s.summary(), self.images.get(sid) if include_images else None))
+                for updated, sid, s in found[:limit]]
 
     def op_ping(self, payload):
         return os.getpid()

@@ -294,3 +294,57 @@ class GetStateResponse(_message.Message):
     anchor: str
     observation_text: str
     def __init__(self, session_id: _Optional[str] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ..., state: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., relations: _Optional[_Iterable[str]] = ..., anchor: _Optional[str] = ..., observation_text: _Optional[str] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ("env_id", "limit", "include_images")
+    ENV_ID_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    env_id: str
+    limit: int
+    include_images: bool
+    def __init__(self, env_id: _Optional[str] = ..., limit: _Optional[int] = ..., include_images: _Optional[bool] = ...) -> None: ...
+
+class SessionSummary(_message.Message):
+    __slots__ = ("session_id", "env_id", "episode", "turn", "reward", "episode_return", "done", "success", "observation_text", "image", "last_action", "updated_unix", "truncated", "started", "action_format")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ENV_ID_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_RETURN_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATION_TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACTION_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    env_id: str
+    episode: int
+    turn: int
+    reward: float
+    episode_return: float
+    done: bool
+    success: bool
+    observation_text: str
+    image: Image
+    last_action: str
+    updated_unix: float
+    truncated: bool
+    started: bool
+    action_format: str
+    def __init__(self, session_id: _Optional[str] = ..., env_id: _Optional[str] = ..., episode: _Optional[int] = ..., turn: _Optional[int] = ..., reward: _Optional[float] = ..., episode_return: _Optional[float] = ..., done: _Optional[bool] = ..., success: _Optional[bool] = ..., observation_text: _Optional[str] = ..., image: _Optional[_Union[Image, _Mapping]] = ..., last_action: _Optional[str] = ..., updated_unix: _Optional[float] = ..., truncated: _Optional[bool] = ..., started: _Optional[bool] = ..., action_format: _Optional[str] = ...) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("replica_id", "sessions", "total")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionSummary]
+    total: int
+    def __init__(self, replica_id: _Optional[str] = ..., sessions: _Optional[_Iterable[_Union[SessionSummary, _Mapping]]] = ..., total: _Optional[int] = ...) -> None: ...

@@ -482,3 +482,81 @@ class StateService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class MonitorServiceStub:
+    """A window into a replica's live sessions (the web page, dashboards). It shows what the agents
+    see, so it is authorised like StateService. Listing does not renew any session's lease.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ListSessions = channel.unary_unary(
+                '/envserve.v1.MonitorService/ListSessions',
+                request_serializer=envserve_dot_v1_dot_envserve__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=envserve_dot_v1_dot_envserve__pb2.ListSessionsResponse.FromString,
+                _registered_method=True)
+
+
+class MonitorServiceServicer:
+    """A window into a replica's live sessions (the web page, dashboards). It shows what the agents
+    see, so it is authorised like StateService. Listing does not renew any session's lease.
+    """
+
+    def ListSessions(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_MonitorServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=envserve_dot_v1_dot_envserve__pb2.ListSessionsRequest.FromString,
+                    response_serializer=envserve_dot_v1_dot_envserve__pb2.ListSessionsResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'envserve.v1.MonitorService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('envserve.v1.MonitorService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class MonitorService:
+    """A window into a replica's live sessions (the web page, dashboards). It shows what the agents
+    see, so it is authorised like StateService. Listing does not renew any session's lease.
+    """
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/envserve.v1.MonitorService/ListSessions',
+            envserve_dot_v1_dot_envserve__pb2.ListSessionsRequest.SerializeToString,
+            envserve_dot_v1_dot_envserve__pb2.ListSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,357 @@
+"""The HTTP/JSON facade over EnvService, StateService and MonitorService, and the live page.
+
+Bodies and replies are the protocol messages in protobuf's JSON mapping (lowerCamelCase names;
+snake_case is accepted too; bytes such as PNG images are base64). A session opened here is an
+ordinary gRPC session on its replica, so both APIs can drive it. A call that fails as a whole
+answers the HTTP status of its gRPC code with {"code": "NOT_FOUND", "message": ...}; inside
+batches (reset, step, close) each item keeps its own status, as over gRPC.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse
+from google.protobuf import json_format
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from envserve.directory import ReplicaInfo, replica_of
+from envserve.v1 import envserve_pb2 as pb
+
+from .page import PAGE
+from .routing import ReplicaTable
+
+# gRPC code -> HTTP status, as grpc-gateway and Google's API guidelines map them.
+HTTP_STATUS = {
+    grpc.StatusCode.OK: 200, grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.UNKNOWN: 500,
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.ABORTED: 409, grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.INTERNAL: 500, grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DATA_LOSS: 500,
+}
+# For errors that start on the HTTP side (unknown route, wrong method).
+_CODE_OF_HTTP = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+                 403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
+                 405: grpc.StatusCode.UNIMPLEMENTED, 409: grpc.StatusCode.ABORTED,
+                 413: grpc.StatusCode.RESOURCE_EXHAUSTED, 415: grpc.StatusCode.INVALID_ARGUMENT,
+                 429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
+_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
+MAX_BODY_BYTES = 64 * 1024 * 1024  # as the replicas' max gRPC message
+
+
+class ApiError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def error_response(code: grpc.StatusCode, message: str) -> JSONResponse:
+    return JSONResponse({"code": code.name, "message": message}, status_code=HTTP_STATUS.get(code, 500))
+
+
+def to_json(message) -> dict:
+    # Every field, defaults included: a JSON client should read done=false, not a missing key.
+    try:
+        return json_format.MessageToDict(message, always_print_fields_with_no_presence=True)
+    except TypeError:  # protobuf < 5.26
+        return json_format.MessageToDict(message, including_default_value_fields=True)
+
+
+async def parse_body(request: Request, message):
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"body over {MAX_BODY_BYTES} bytes")
+    try:
+        data = json.loads(body or b"{}")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"body must be a JSON object ({message.DESCRIPTOR.name}), got {type(data).__name__}")
+    try:
+        return json_format.ParseDict(data, message)
+    except json_format.ParseError as e:
+        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"not a {message.DESCRIPTOR.name}: {e}") from None
+
+
+def _forwarded(request: Request) -> tuple:
+    """The caller's credentials, passed on as gRPC metadata."""
+    auth = request.headers.get("authorization")
+    return (("authorization", auth),) if auth else ()
+
+
+def create_app(directory_url: str = "", replicas=(), root_certificates: bytes | None = None,
+               use_external: bool = False, monitor_token: str | None = None, timeout: float = 60.0,
+               refresh_seconds: float = 1.0) -> FastAPI:
+    """monitor_token: used toward MonitorService when a request brings no Authorization header,
+    so the page (a browser sends no bearer token) can watch replicas that require one."""
+    table = ReplicaTable(directory_url, replicas, root_certificates, use_external, refresh_seconds, timeout)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        await table.close()
+
+    app = FastAPI(title="envserve", summary="HTTP/JSON facade over the envserve.v1 gRPC services",
+                  lifespan=lifespan)
+    app.state.replicas = table
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return error_response(e.code, e.message)
+
+    @app.exception_handler(grpc.RpcError)
+    async def _rpc_error(request, e: grpc.RpcError):
+        return error_response(e.code(), e.details() or e.code().name)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e: RequestValidationError):
+        problems = "; ".join(f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg')}" for err in e.errors())
+        return error_response(grpc.StatusCode.INVALID_ARGUMENT, problems or "invalid request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        code = _CODE_OF_HTTP.get(e.status_code, grpc.StatusCode.UNKNOWN)
+        return JSONResponse({"code": code.name, "message": str(e.detail)}, status_code=e.status_code)
+
+    # -- helpers ------------------------------------------------------------------------------------
+    async def not_served(env_id: str, md) -> ApiError | grpc.RpcError:
+        """No known replica serves env_id. When a fixed replica could not be asked, its answer
+        (e.g. UNAUTHENTICATED without a token) says more than NOT_FOUND could."""
+        served = sorted({e for r in await table.replicas(md) for e in r.envs})
+        unasked = table.unasked()
+        if unasked:
+            return unasked[0]
+        return ApiError(grpc.StatusCode.NOT_FOUND, f"env {env_id!r} is not served by any replica; served: {served}")
+
+    async def session_replica(session_id: str, md) -> ReplicaInfo:
+        rid = replica_of(session_id)
+        if not rid:
+            raise ApiError(grpc.StatusCode.NOT_FOUND, f"unknown session {session_id!r}: not an envserve session id")
+        r = await table.find(rid, md)
+        if r is None:
+            raise ApiError(grpc.StatusCode.DATA_LOSS,
+                           f"session lost: its replica {rid!r} is gone (not in the directory or replica list)")
+        return r
+
+    async def fan_out(ids: list[str], md, call, make_failure) -> list:
+        """Items split by the replica their session names, sent in parallel, answered in request
+        order. One replica's failure fails its own items; when every part failed as a whole with
+        the same code, the call fails with it, as one replica's gRPC call would."""
+        results: list[Any] = [None] * len(ids)
+        groups: dict[str, list[int]] = {}
+        for i, sid in enumerate(ids):
+            groups.setdefault(replica_of(sid), []).append(i)
+        parts = []
+        for rid, indices in groups.items():
+            r = await table.find(rid, md) if rid else None
+            if r is None:
+                for i in indices:
+                    if rid:
+                        results[i] = make_failure(ids[i], grpc.StatusCode.DATA_LOSS,
+                                                  f"session lost: its replica {rid!r} is gone")
+                    else:
+                        results[i] = make_failure(ids[i], grpc.StatusCode.NOT_FOUND,
+                                                  f"unknown session {ids[i]!r}: not an envserve session id")
+                continue
+            parts.append((r, indices))
+        replies = await asyncio.gather(*[call(r, indices) for r, indices in parts], return_exceptions=True)
+        refused = []  # parts refused as a whole, as gRPC said
+        for (r, indices), rep in zip(parts, replies):
+            if isinstance(rep, grpc.RpcError):
+                code = rep.code()
+                if code == grpc.StatusCode.UNAVAILABLE and not table.is_fixed(r) \
+                        and not await table.still_listed(r.replica_id):
+                    # Unreachable and gone from the directory: dead, with its sessions.
+                    code, msg = grpc.StatusCode.DATA_LOSS, f"session lost: its replica {r.replica_id!r} is gone"
+                else:
+                    refused.append(rep)
+                    msg = f"replica {r.replica_id} at {table.address_of(r)}: {rep.details()}"
+                for i in indices:
+                    results[i] = make_failure(ids[i], code, msg)
+            elif isinstance(rep, BaseException):
+                raise rep
+            else:
+                for i, item in zip(indices, rep):
+                    results[i] = item
+        # Every item went to a replica and each refused the whole call with one code (e.g. no
+        # token): the call fails with it, as a single replica's gRPC call would.
+        if parts and len(parts) == len(groups) and len(refused) == len(parts) \
+                and len({e.code() for e in refused}) == 1:
+            raise refused[0]
+        return results
+
+    def step_failure(sid, code, message):
+        return pb.StepResult(session_id=sid, status=pb.ItemStatus(code=code.value[0], message=message))
+
+    def status_failure(sid, code, message):
+        return pb.ItemStatus(code=code.value[0], message=message)
+
+    async def batch(request: Request, message, method: str) -> dict:
+        req = await parse_body(request, message)
+        md = _forwarded(request)
+        items = list(req.items)
+
+        async def call(r, indices):
+            sub = type(req)(items=[items[i] for i in indices])
+            resp = await getattr(table.stubs(r).env, method)(sub, timeout=timeout, metadata=md)
+            return list(resp.results)
+        results = await fan_out([it.session_id for it in items], md, call, step_failure)
+        for r in results:
+            r.status.SetInParent()  # JSON clients always find status.code (0 when the item succeeded)
+        return to_json(pb.BatchResponse(results=results))
+
+    # -- EnvService ---------------------------------------------------------------------------------
+    @app.get("/v1/envs")
+    async def list_envs(request: Request):
+        """Every environment some replica serves (one spec each) and the replicas themselves."""
+        md = _forwarded(request)
+        await table.ask_again(md)
+        replicas = await table.replicas(md)
+        if not replicas and table.unasked():
+            raise table.unasked()[0]
+        replies = await asyncio.gather(*[table.stubs(r).env.ListEnvs(pb.ListEnvsRequest(), timeout=timeout,
+                                                                     metadata=md) for r in replicas],
+                                       return_exceptions=True)
+        specs: dict[str, Any] = {}
+        listed = []
+        for r, rep in zip(replicas, replies):
+            entry = _replica_json(table, r)
+            if isinstance(rep, grpc.RpcError):
+                entry["error"] = {"code": rep.code().name, "message": rep.details()}
+            elif isinstance(rep, BaseException):
+                raise rep
+            else:
+                for s in rep.envs:
+                    specs.setdefault(s.env_id, to_json(s))
+            listed.append(entry)
+        errors = [rep for rep in replies if isinstance(rep, grpc.RpcError)]
+        if errors and len(errors) == len(replies):
+            raise errors[0]
+        return {"envs": list(specs.values()), "replicas": listed}
+
+    @app.get("/v1/envs/{env_id}")
+    async def get_spec(env_id: str, request: Request):
+        md = _forwarded(request)
+        await table.ask_again(md)
+        serving = [r for r in await table.replicas(md) if env_id in r.envs]
+        if not serving:
+            raise await not_served(env_id, md)
+        return to_json(await table.stubs(serving[0]).env.GetSpec(pb.GetSpecRequest(env_id=env_id),
+                                                                  timeout=timeout, metadata=md))
+
+    @app.post("/v1/sessions")
+    async def open_sessions(request: Request):
+        """OpenRequest -> OpenResponse, on the least-loaded replica serving the env (all sessions of
+        one call on one replica, as a gRPC Open)."""
+        req = await parse_body(request, pb.OpenRequest())
+        md = _forwarded(request)
+        order = await table.open_order(req.env_id, md)
+        if not order:
+            if any(req.env_id in r.envs for r in await table.replicas(md)):
+                raise ApiError(grpc.StatusCode.UNAVAILABLE, f"every replica serving {req.env_id!r} is draining")
+            raise await not_served(req.env_id, md)
+        last: grpc.RpcError | None = None
+        for r in order:
+            try:
+                resp = await table.stubs(r).env.Open(req, timeout=timeout, metadata=md)
+            except grpc.RpcError as e:
+                # Full, draining or down: the next replica may take them. Anything else is the request's fault.
+                if e.code() not in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE,
+                                    grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                last = e
+                continue
+            table.opened(r, len(resp.session_ids))
+            return to_json(resp)
+        raise last
+
+    @app.post("/v1/reset")
+    async def reset(request: Request):
+        return await batch(request, pb.ResetRequest(), "Reset")
+
+    @app.post("/v1/step")
+    async def step(request: Request):
+        return await batch(request, pb.StepRequest(), "Step")
+
+    @app.post("/v1/fork")
+    async def fork(request: Request):
+        req = await parse_body(request, pb.ForkRequest())
+        md = _forwarded(request)
+        r = await session_replica(req.session_id, md)
+        return to_json(await table.stubs(r).env.Fork(req, timeout=timeout, metadata=md))
+
+    @app.post("/v1/close")
+    async def close(request: Request):
+        req = await parse_body(request, pb.CloseRequest())
+        md = _forwarded(request)
+        ids = list(req.session_ids)
+
+        async def call(r, indices):
+            sub = pb.CloseRequest(session_ids=[ids[i] for i in indices])
+            return list((await table.stubs(r).env.Close(sub, timeout=timeout, metadata=md)).statuses)
+        return to_json(pb.CloseResponse(statuses=await fan_out(ids, md, call, status_failure)))
+
+    # -- StateService ---------------------------------------------------------------------------------
+    @app.get("/v1/sessions/{session_id:path}/state")
+    async def get_state(session_id: str, request: Request, turn: int = -1, episode: int | None = None):
+        md = _forwarded(request)
+        r = await session_replica(session_id, md)
+        req = pb.GetStateRequest(session_id=session_id, turn=turn)
+        if episode is not None:
+            req.episode = episode
+        return to_json(await table.stubs(r).state.GetState(req, timeout=timeout, metadata=md))
+
+    # -- MonitorService and the page ----------------------------------------------------------------
+    @app.get("/v1/live")
+    async def live(request: Request, env_id: str = "", limit: int = 100, images: bool = True):
+        """Each replica's live sessions with their latest turn (MonitorService.ListSessions)."""
+        md = _forwarded(request) or ((("authorization", f"Bearer {monitor_token}"),) if monitor_token else ())
+        if limit < 0:
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"limit must be >= 0, got {limit}")
+        targets = table.watch_targets(await table.listed())
+        req = pb.ListSessionsRequest(env_id=env_id, limit=limit, include_images=images)
+        replies = await asyncio.gather(*[table.stubs_at(a, tls).monitor.ListSessions(req, timeout=timeout, metadata=md)
+                                         for a, tls, _ in targets], return_exceptions=True)
+        out = []
+        for (address, _, info), rep in zip(targets, replies):
+            entry = _replica_json(table, info) if info is not None else {
+                "replicaId": "", "address": address, "envs": [], "draining": False, "capacity": 0, "liveSessions": None}
+            if isinstance(rep, grpc.RpcError):
+                entry.update(total=0, sessions=[], error={"code": rep.code().name, "message": rep.details()})
+            elif isinstance(rep, BaseException):
+                raise rep
+            else:
+                entry.update(replicaId=rep.replica_id, total=rep.total, sessions=[to_json(s) for s in rep.sessions])
+            entry["replicaId"] = entry["replicaId"] or address  # unknown and unreachable: named by address
+            out.append(entry)
+        out.sort(key=lambda e: e["replicaId"])
+        return {"replicas": out, "updatedUnix": time.time()}
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page():
+        return HTMLResponse(PAGE, headers={
+            # The page runs only its own inline script and shows data: images; nothing else loads.
+            "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                                       "img-src data:; connect-src 'self'; base-uri 'none'; form-action 'none'",
+            "Cache-Control": "no-store"})
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"status": "ok"}
+
+    return app
+
+
+def _replica_json(table: ReplicaTable, r: ReplicaInfo) -> dict:
+    return {"replicaId": r.replica_id, "address": table.address_of(r), "envs": list(r.envs),
+            "draining": r.draining, "capacity": r.capacity,
+            "liveSessions": r.live_sessions if r.live_sessions >= 0 else None}

@@ -1,0 +1,204 @@
+"""The replicas behind the HTTP facade: from a directory and/or fixed addresses, one grpc.aio
+channel per replica, and which replica opens the next sessions."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+import grpc
+
+from envserve.client.client import make_channel
+from envserve.directory import DirectoryUnavailable, ReplicaInfo, open_directory
+from envserve.v1 import envserve_pb2 as pb
+from envserve.v1 import envserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger("envserve.web")
+
+
+@dataclasses.dataclass
+class Stubs:
+    channel: grpc.aio.Channel
+    env: pb_grpc.EnvServiceStub
+    state: pb_grpc.StateServiceStub
+    monitor: pb_grpc.MonitorServiceStub
+
+
+class ReplicaTable:
+    """directory_url: replicas registered there (their `address`, or `external_address` with
+    use_external). addresses: fixed HOST:PORT replicas, asked for their id and envs (ListEnvs).
+    Fixed replicas use TLS when root_certificates is given; directory ones when they say so."""
+
+    def __init__(self, directory_url: str = "", addresses=(), root_certificates: bytes | None = None,
+                 use_external: bool = False, refresh_seconds: float = 1.0, timeout: float = 60.0):
+        if not directory_url and not addresses:
+            raise ValueError("the facade needs a directory URL or replica addresses")
+        self.directory = open_directory(directory_url) if directory_url else None
+        self.addresses = list(dict.fromkeys(addresses))
+        self.root_certificates = root_certificates
+        self.use_external = use_external
+        self.refresh_seconds = refresh_seconds
+        self.timeout = timeout
+        self._listed: dict[str, ReplicaInfo] = {}  # the directory's last answer
+        self._listed_at = -1e9
+        self._fixed: dict[str, ReplicaInfo] = {}  # address -> what its ListEnvs said
+        self._probed_at: dict[str, float] = {}
+        # address -> why a fixed replica could not be asked (down, or a token it refuses)
+        self.probe_errors: dict[str, grpc.RpcError] = {}
+        self._lock = asyncio.Lock()
+        self._stubs: dict[tuple[str, bool], Stubs] = {}
+        self._turn = 0
+
+    # -- the table -----------------------------------------------------------------------------
+    async def replicas(self, metadata=(), refresh: bool = False) -> list[ReplicaInfo]:
+        """Live replicas: the directory's (re-read at most every refresh_seconds, or now with
+        refresh=True) and the fixed ones that said who they are (unknown ones are asked again
+        at most every refresh_seconds; all of them with refresh=True)."""
+        listed = await self.listed(refresh)
+        now = time.monotonic()
+        due = [a for a in self.addresses
+               if refresh or (a not in self._fixed and now - self._probed_at.get(a, -1e9) >= self.refresh_seconds)]
+        if due:
+            await self._probe_all(due, metadata)
+        known = {r.replica_id: r for r in listed}
+        for info in self._fixed.values():
+            known.setdefault(info.replica_id, info)
+        return list(known.values())
+
+    async def listed(self, refresh: bool = False) -> list[ReplicaInfo]:
+        """The directory's replicas; while it is unreachable the last list stands."""
+        if self.directory is None:
+            return []
+        if refresh or time.monotonic() - self._listed_at >= self.refresh_seconds:
+            async with self._lock:
+                # Another request may have read it while this one waited for the lock.
+                if refresh or time.monotonic() - self._listed_at >= self.refresh_seconds:
+                    try:
+                        # Copies: load is counted up locally between heartbeats (opened()).
+                        self._listed = {r.replica_id: dataclasses.replace(r)
+                                        for r in await asyncio.to_thread(self.directory.replicas)}
+                    except DirectoryUnavailable as e:
+                        log.warning("directory unreachable, using the last replica list: %s", e)
+                    self._listed_at = time.monotonic()
+        return list(self._listed.values())
+
+    async def _probe_all(self, addresses, metadata) -> None:
+        for address, info in zip(addresses, await asyncio.gather(*[self._probe(a, metadata) for a in addresses])):
+            self._probed_at[address] = time.monotonic()
+            if info is not None:
+                self._fixed[address] = info
+
+    async def _probe(self, address: str, metadata) -> ReplicaInfo | None:
+        """A fixed replica's id and envs; None while it cannot say (down, or refusing the token)."""
+        try:
+            resp = await self.stubs_at(address, self.fixed_tls).env.ListEnvs(
+                pb.ListEnvsRequest(), timeout=min(self.timeout, 5.0), metadata=metadata)
+        except grpc.RpcError as e:
+            log.info("replica %s did not answer ListEnvs: %s %s", address, e.code().name, e.details())
+            self.probe_errors[address] = e
+            return None
+        self.probe_errors.pop(address, None)
+        return ReplicaInfo(replica_id=resp.replica_id, address=address, envs=[s.env_id for s in resp.envs],
+                           capacity=0, live_sessions=-1, tls=self.fixed_tls)
+
+    @property
+    def fixed_tls(self) -> bool:
+        return self.root_certificates is not None
+
+    def unasked(self) -> list[grpc.RpcError]:
+        """Why fixed replicas whose id and envs are still unknown could not be asked."""
+        return [e for a, e in self.probe_errors.items() if a not in self._fixed]
+
+    async def ask_again(self, metadata) -> None:
+        """Ask fixed replicas that refused an earlier caller's credentials with this caller's."""
+        refused = [a for a, e in self.probe_errors.items() if a not in self._fixed and e.code() in (
+            grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)]
+        if refused:
+            await self._probe_all(refused, metadata)
+
+    def watch_targets(self, listed: list[ReplicaInfo]) -> list[tuple[str, bool, ReplicaInfo | None]]:
+        """(address, tls, what is known) of every replica to ask MonitorService: the directory's,
+        and each fixed address, asked directly (a monitor token may not call ListEnvs, so a fixed
+        replica's id may be unknown here)."""
+        targets = [(self.address_of(r), r.tls, r) for r in listed]
+        ids = {r.replica_id for r in listed}
+        for a in self.addresses:
+            info = self._fixed.get(a)
+            if info is None or info.replica_id not in ids:
+                targets.append((a, self.fixed_tls, info))
+        return targets
+
+    def is_fixed(self, r: ReplicaInfo) -> bool:
+        return any(r is f for f in self._fixed.values())
+
+    async def find(self, replica_id: str, metadata=()) -> ReplicaInfo | None:
+        """The replica a session id names; one forced refresh when it is not known (yet)."""
+        if not replica_id:
+            return None
+        for refresh in (False, True):
+            for r in await self.replicas(metadata, refresh=refresh):
+                if r.replica_id == replica_id:
+                    return r
+        return None
+
+    async def still_listed(self, replica_id: str) -> bool:
+        """After a directory replica stopped answering: is it still registered? (No: it is gone.)"""
+        return any(r.replica_id == replica_id for r in await self.listed(refresh=True))
+
+    # -- channels --------------------------------------------------------------------------------
+    def address_of(self, r: ReplicaInfo) -> str:
+        return (r.external_address or r.address) if self.use_external and not self.is_fixed(r) else r.address
+
+    def stubs(self, r: ReplicaInfo) -> Stubs:
+        return self.stubs_at(self.address_of(r), r.tls)
+
+    def stubs_at(self, address: str, tls: bool) -> Stubs:
+        key = (address, tls)
+        s = self._stubs.get(key)
+        if s is None:
+            ch = make_channel(address, self.root_certificates, tls, aio=True)
+            s = self._stubs[key] = Stubs(ch, pb_grpc.EnvServiceStub(ch), pb_grpc.StateServiceStub(ch),
+                                         pb_grpc.MonitorServiceStub(ch))
+        return s
+
+    async def close(self) -> None:
+        for s in self._stubs.values():
+            await s.channel.close()
+        self._stubs.clear()
+        if self.directory is not None:
+            self.directory.close()
+
+    # -- where new sessions go ---------------------------------------------------------------------
+    async def open_order(self, env_id: str, metadata=()) -> list[ReplicaInfo]:
+        """Replicas serving env_id that accept sessions, least loaded first. Directory replicas
+        report their load in heartbeats; fixed ones are asked (MonitorService); replicas whose
+        load is unknown come last, taking turns."""
+        await self.ask_again(metadata)
+        candidates = [r for r in await self.replicas(metadata) if env_id in r.envs and not r.draining]
+        fixed = [r for r in candidates if self.is_fixed(r)]
+        totals = await asyncio.gather(*[self._live_sessions(r, metadata) for r in fixed])
+        live = {r.replica_id: n for r, n in zip(fixed, totals)}
+        self._turn += 1
+        n = len(candidates) or 1
+
+        def key(item):
+            i, r = item
+            count = live.get(r.replica_id, r.live_sessions)
+            if count is None or count < 0:
+                return (1, 0.0, (i + self._turn) % n)
+            return (0, count / r.capacity if r.capacity > 0 else float(count), (i + self._turn) % n)
+        return [r for _, r in sorted(enumerate(candidates), key=key)]
+
+    async def _live_sessions(self, r: ReplicaInfo, metadata) -> int | None:
+        try:
+            resp = await self.stubs(r).monitor.ListSessions(pb.ListSessionsRequest(limit=1),
+                                                            timeout=min(self.timeout, 5.0), metadata=metadata)
+        except grpc.RpcError:
+            return None  # e.g. the caller's token may not watch sessions: load unknown
+        return resp.total
+
+    def opened(self, r: ReplicaInfo, count: int) -> None:
+        """Count sessions opened here until the next heartbeat reports them."""
+        if r.live_sessions >= 0:
+            r.live_sessions += count

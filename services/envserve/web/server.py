@@ -1,0 +1,41 @@
+"""Running the facade with uvicorn: on its own (`envserve web`) or beside a replica (`up --http-port`)."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import uvicorn
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket, bound before uvicorn starts so port 0 can be reported."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=2048)
+
+
+def _server(app) -> uvicorn.Server:
+    return uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+
+
+def display(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def serve(app, host: str, port: int, announce: str = "") -> None:
+    """Blocks until SIGINT/SIGTERM (uvicorn's own handlers stop it gracefully)."""
+    sock = bind(host, port)
+    port = sock.getsockname()[1]
+    print(f"envserve web on {display(host, port)}{announce}", flush=True)
+    asyncio.run(_server(app).serve(sockets=[sock]))
+
+
+def start_in_thread(app, host: str, port: int) -> tuple[uvicorn.Server, int]:
+    """The facade on its own event loop in a daemon thread (the replica keeps the main loop and
+    its signal handlers: uvicorn installs none outside the main thread). Returns the server
+    (set .should_exit to stop it) and the bound port."""
+    sock = bind(host, port)
+    server = _server(app)
+    threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), name="envserve-web",
+                     daemon=True).start()
+    return server, sock.getsockname()[1]

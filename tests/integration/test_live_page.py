@@ -1,0 +1,105 @@
+"""The live sessions page in a real headless Chromium (Debian chromium + chromium-driver) via selenium."""
+import os
+import shutil
+
+import pytest
+
+from envserve.client import EnvClient, check
+from serverproc import ServerProcess
+from webproc import WebProcess
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+pytestmark = pytest.mark.skipif(not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)),
+                                reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
+MOVE = "<think>look</think><answer>{}</answer>"
+WAIT = 60  # seconds a page condition may take on a loaded machine; not what is tested
+
+
+@pytest.fixture(scope="module")
+def replica():
+    with ServerProcess(["sokoban"], workers=1, metrics=False) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def web(replica):
+    with WebProcess.facade([replica.address]) as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run", "--disable-quic", "--disable-sync",
+                 "--disable-dev-shm-usage", f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=opts)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def card_field(browser, sid, cls):
+    """Text of one field of a session's card, or None while the card is not on the page."""
+    return browser.execute_script(
+        "const c = [...document.querySelectorAll('article.session')]"
+        "  .find(e => e.getAttribute('data-session-id') === arguments[0]);"
+        "if (!c) return null; const f = c.querySelector('.' + arguments[1]); return f ? f.textContent : null;",
+        sid, cls)
+
+
+def image_width(browser, sid):
+    return browser.execute_script(
+        "const c = [...document.querySelectorAll('article.session')]"
+        "  .find(e => e.getAttribute('data-session-id') === arguments[0]);"
+        "const img = c && c.querySelector('img.obs');"
+        "return img && !img.hidden && img.complete ? img.naturalWidth : 0;", sid)
+
+
+def wait_for(browser, condition):
+    from selenium.webdriver.support.ui import WebDriverWait
+    return WebDriverWait(browser, WAIT, poll_frequency=0.1).until(lambda _: condition())
+
+
+def test_page_shows_sessions_as_they_step(browser, web, replica):
+    with EnvClient(replica.address) as env:
+        sid = env.open("sokoban", 1, {"render_image": True, "image_size": 96})[0]
+        env.reset([sid], seeds=[21])
+        r1 = check(env.step([(sid, MOVE.format("Left"))])[0])
+        browser.get(web.url + "/")
+        wait_for(browser, lambda: card_field(browser, sid, "turn") == "1")
+        assert wait_for(browser, lambda: image_width(browser, sid)) == 96
+        assert float(card_field(browser, sid, "reward")) == pytest.approx(r1.reward, abs=1e-3)
+        assert card_field(browser, sid, "obs-text") == r1.observation.text
+
+        r2 = check(env.step([(sid, MOVE.format("Up, Right"))])[0])
+        wait_for(browser, lambda: card_field(browser, sid, "turn") == "2")
+        assert float(card_field(browser, sid, "reward")) == pytest.approx(r2.reward, abs=1e-3)
+        assert float(card_field(browser, sid, "ret")) == pytest.approx(r1.reward + r2.reward, abs=1e-3)
+        assert MOVE.format("Up, Right") in card_field(browser, sid, "last-action")
+
+        env.close_sessions([sid])
+        wait_for(browser, lambda: card_field(browser, sid, "turn") is None)
+
+
+def test_untrusted_text_stays_text(browser, web, replica):
+    # The agent's text (and any observation) is shown verbatim, never parsed as HTML.
+    attack = ('<img src=x onerror="document.title=\'owned\'"><b id="injected">bold</b>'
+              '<script>document.title="owned"</script>')
+    with EnvClient(replica.address) as env:
+        sid = env.open("sokoban", 1)[0]
+        env.reset([sid], seeds=[4])
+        env.step([(sid, attack)])  # an invalid format: still a turn, with the text as its action
+        browser.get(web.url + "/")
+        wait_for(browser, lambda: card_field(browser, sid, "turn") == "1")
+        assert attack in card_field(browser, sid, "last-action")
+        assert browser.execute_script("return document.getElementById('injected')") is None
+        assert "owned" not in browser.title
+        env.close_sessions([sid])
