@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -15,40 +16,41 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 _LINE = re.compile(r"serving .* on ([\d.]+:\d+) with \d+ workers(?:, metrics on :(\d+))?")
 
 
+def start_cli(args, line_pattern: re.Pattern, env_vars=None, what="server"):
+    """Runs `envserve ARGS` and reads its output until line_pattern matches (the ready line).
+    Returns (process, match, output lines); the rest of the output keeps being collected."""
+    cmd = [sys.executable, "-u", "-m", "envserve.cli", *args]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_vars or {}))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    output: list[str] = []
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        output.append(line)
+        m = line_pattern.search(line)
+        if m:
+            def drain():
+                for rest in proc.stdout:
+                    output.append(rest)
+            threading.Thread(target=drain, daemon=True).start()
+            return proc, m, output
+    proc.kill()
+    raise RuntimeError(f"{what} did not start:\n" + "".join(output))
+
+
 class ServerProcess:
     def __init__(self, envs, workers=2, extra=(), metrics=True, env_vars=None, tls_ca=None):
         # tls_ca: the CA's PEM bytes, or whole grpc.ChannelCredentials (mutual TLS).
         self.tls_ca = tls_ca
-        cmd = [sys.executable, "-u", "-m", "envserve.cli", "serve", *envs, "--port", "0",
-               "--workers", str(workers), *extra]
+        args = ["serve", *envs, "--port", "0", "--workers", str(workers), *extra]
         if metrics:
-            cmd += ["--metrics-port", "0"]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_vars or {}))
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.address = ""
-        self.metrics_port = 0
-        self.output: list[str] = []
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            self.output.append(line)
-            m = _LINE.search(line)
-            if m:
-                self.address = m.group(1)
-                self.metrics_port = int(m.group(2) or 0)
-                break
-        if not self.address:
-            self.proc.kill()
-            raise RuntimeError("server did not start:\n" + "".join(self.output))
-        import threading
-        threading.Thread(target=self._drain_output, daemon=True).start()
+            args += ["--metrics-port", "0"]
+        self.proc, m, self.output = start_cli(args, _LINE, env_vars)
+        self.address = m.group(1)
+        self.metrics_port = int(m.group(2) or 0)
         self.wait_serving()
-
-    def _drain_output(self):
-        for line in self.proc.stdout:
-            self.output.append(line)
 
     def wait_serving(self, timeout=30.0):
         creds = self.tls_ca

@@ -1,37 +1,17 @@
 """Start a real `envserve web` (or `envserve up --http-port`) subprocess on loopback, for tests."""
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-import threading
-import time
+
+from serverproc import start_cli
 
 _LINE = re.compile(r"envserve web on (http://\S+)")
 
 
 class WebProcess:
     def __init__(self, args, env_vars=None):
-        cmd = [sys.executable, "-u", "-m", "envserve.cli", *args]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_vars or {}))
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.url = ""
-        self.output: list[str] = []
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            self.output.append(line)
-            m = _LINE.search(line)
-            if m:
-                self.url = m.group(1)
-                break
-        if not self.url:
-            self.kill()
-            raise RuntimeError("web facade did not start:\n" + "".join(self.output))
-        threading.Thread(target=self._drain_output, daemon=True).start()
+        self.proc, m, self.output = start_cli(args, _LINE, env_vars, what="web facade")
+        self.url = m.group(1)
 
     @classmethod
     def facade(cls, replicas=(), directory=""):
@@ -39,10 +19,6 @@ class WebProcess:
         if directory:
             args += ["--directory", directory]
         return cls(args)
-
-    def _drain_output(self):
-        for line in self.proc.stdout:
-            self.output.append(line)
 
     def kill(self):
         if self.proc.poll() is None:
