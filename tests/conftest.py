@@ -4,6 +4,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "containers"))
 
 from serverproc import ServerProcess  # noqa: E402
 
@@ -22,3 +23,23 @@ def client(grid_server):
     from envserve.client import EnvClient
     with EnvClient(grid_server.address) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """podman or docker, for the container tests (skips where neither is installed)."""
+    from stack import Unavailable, find_engine
+    try:
+        return find_engine()
+    except Unavailable as e:
+        pytest.skip(f"container tests need podman or docker: {e}")
+
+
+@pytest.fixture(scope="session")
+def built(engine):
+    """The images, built once a session with the deploy scripts: (base kind, compose files, timings)."""
+    from stack import build_images, choose_base
+    base = choose_base()
+    timings: dict[str, float] = {}
+    files = build_images(engine, base, "latest", timings)
+    return base, files, timings

@@ -84,7 +84,12 @@ def cmd_serve(args) -> int:
 
 
 def cmd_up(args) -> int:
-    """Every registered environment on one local replica, worker processes per CPU."""
+    """Every registered environment on one local replica, worker processes per CPU; or, with
+    --containers, one container per environment from the family images, with Redis."""
+    if args.containers:
+        from envserve.containers import up
+        return up(args.envs or None, tag=args.image_tag, redis_image=args.redis_image,
+                  first_port=args.port, workers=args.workers)
     from envserve.core.registry import env_ids
     from envserve.server.app import run
     envs = args.envs or env_ids()
@@ -236,6 +241,11 @@ def main(argv=None) -> int:
     _server_args(p, 50051)
     p.add_argument("--http-port", type=int, default=-1, help="also serve the HTTP facade and live page (-1: off)")
     p.add_argument("--http-host", default="127.0.0.1")
+    p.add_argument("--containers", action="store_true",
+                   help="run each environment in its family's image (docker or podman) with Redis")
+    p.add_argument("--image-tag", default="latest", help="with --containers: the images' tag")
+    p.add_argument("--redis-image", default="", help="with --containers: default redis:7-alpine "
+                   "[$ENVSERVE_REDIS_IMAGE]")
     p.set_defaults(fn=cmd_up)
     p = sub.add_parser("web", help="HTTP/JSON facade and live sessions page over replicas")
     p.add_argument("--directory", default=os.environ.get("ENVSERVE_DIRECTORY", ""),

@@ -559,7 +559,7 @@ def _as_podman_pod(dep: dict, suffix: str, images: dict[str, str]) -> dict:
 
 
 @pytest.mark.containers
-def test_local_overlay_runs_in_podman_with_a_read_only_root_and_registers_in_redis(rendered, tmp_path):
+def test_local_overlay_runs_in_podman_with_a_read_only_root_and_registers_in_redis(rendered, built, tmp_path):
     if shutil.which("podman") is None:
         pytest.skip("podman is not installed")
     images = {"localhost/envserve-grid:latest": "localhost/envserve-grid:latest",

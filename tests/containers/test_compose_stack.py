@@ -1,0 +1,156 @@
+"""The images and docker-compose.yml, for real: build the base image and the family images with the
+deploy scripts, bring the stack up under a unique project name, play a whole episode in every grid
+env through the containers (on each published port, through the Redis directory with the routing
+client, and through the HTTP facade), then take the stack down and check with the Docker Engine API
+(the docker SDK; podman's compatible service here) that none of its containers or networks is left.
+
+Readiness is polled here through the gRPC health service on the published ports: compose
+healthchecks never fire under podman without systemd. See stack.py for the engine and base choice.
+"""
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from stack import GRID_ENVS, leftovers, new_stack
+
+# The timeout only ends a hung run (a stuck mirror, a wedged engine); a fresh machine needs ~3 min.
+pytestmark = [pytest.mark.containers, pytest.mark.timeout(900)]
+
+READY_WITHIN = 180  # seconds for every service to answer after `compose up`
+
+
+@pytest.fixture(scope="module")
+def stack(engine, built):
+    _, files, timings = built
+    s = new_stack(engine, files)
+    s.timings.update(timings)
+    try:
+        s.up()
+        start = time.monotonic()
+        wait_ready(s)
+        s.timings["ready_s"] = time.monotonic() - start
+        yield s
+    finally:
+        s.down()
+        print("container test timings:", json.dumps({k: round(v, 1) for k, v in s.timings.items()}))
+
+
+def serving(address: str) -> bool:
+    with grpc.insecure_channel(address) as ch:
+        try:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def http_json(url: str, body: dict | None = None) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def wait_ready(stack) -> None:
+    """Every replica SERVING on its published port and listed in the directory, the facade up."""
+    from envserve.directory import open_directory
+    deadline = time.monotonic() + READY_WITHIN
+    waiting = ["start"]
+    while waiting and time.monotonic() < deadline:
+        waiting = [env for env in GRID_ENVS if not serving(f"127.0.0.1:{stack.ports[env]}")]
+        if not waiting:
+            try:
+                with open_directory(f"redis://127.0.0.1:{stack.ports['redis']}/0") as d:
+                    listed = {e for r in d.replicas() for e in r.envs}
+                waiting = [f"directory:{env}" for env in GRID_ENVS if env not in listed]
+            except Exception as e:  # noqa: BLE001 - Redis not accepting yet
+                waiting = [f"directory ({e})"]
+        if not waiting:
+            try:
+                http_json(f"http://127.0.0.1:{stack.ports['web']}/healthz")
+            except OSError:
+                waiting = ["web"]
+        if waiting:
+            time.sleep(0.5)
+    if waiting:
+        raise AssertionError(f"not ready after {READY_WITHIN} s: {waiting}\n{stack.logs()}")
+
+
+def play_episode(client, env_id: str, seed: int) -> dict:
+    # The demo's scripted agent: it plans from the ground truth (StateService) and answers in text.
+    from envserve.demo import play
+    return play(client, env_id, seed)
+
+
+def test_episode_in_each_grid_container_on_its_published_port(stack):
+    from envserve.client import EnvClient
+    for env_id in GRID_ENVS:
+        with EnvClient(f"127.0.0.1:{stack.ports[env_id]}") as client:
+            assert [s.env_id for s in client.list_envs()] == [env_id]
+            result = play_episode(client, env_id, seed=5)
+        assert result["success"], result
+        assert result["png_bytes"] > 0, result
+
+
+def test_routed_client_through_the_redis_directory(stack):
+    from envserve.client.routing import RoutedClient
+    from envserve.directory import replica_of
+    rc = RoutedClient(f"redis://127.0.0.1:{stack.ports['redis']}/0", use_external=True)
+    try:
+        replicas = {r.envs[0]: r for r in rc.replicas(refresh=True)}
+        assert sorted(replicas) == sorted(GRID_ENVS)
+        for env_id, r in replicas.items():
+            assert r.address == f"{env_id}:50051"                       # in-network: the service name
+            assert r.external_address == f"127.0.0.1:{stack.ports[env_id]}"  # from the host
+        for env_id in GRID_ENVS:
+            sid = rc.open(env_id, 1)[0]
+            assert replica_of(sid) == replicas[env_id].replica_id
+            rc.close_sessions([sid])
+            result = play_episode(rc, env_id, seed=9)
+            assert result["success"], result
+    finally:
+        rc.close()
+
+
+def test_http_facade_serves_every_replica_in_the_directory(stack):
+    base = f"http://127.0.0.1:{stack.ports['web']}"
+    listed = http_json(f"{base}/v1/envs")
+    assert sorted(e["envId"] for e in listed["envs"]) == sorted(GRID_ENVS)
+    assert len(listed["replicas"]) == len(GRID_ENVS)
+    opened = http_json(f"{base}/v1/sessions", {"env_id": "frozenlake", "count": 1})
+    sid = opened["sessionIds"][0]
+    first = http_json(f"{base}/v1/reset", {"items": [{"session_id": sid, "seed": 3}]})["results"][0]
+    assert first["status"].get("code", 0) == 0, first
+    step = http_json(f"{base}/v1/step", {"items": [{"session_id": sid, "action": "<answer>Down</answer>"}]})
+    assert step["results"][0]["status"].get("code", 0) == 0, step
+    closed = http_json(f"{base}/v1/close", {"session_ids": [sid]})
+    assert all(s.get("code", 0) == 0 for s in closed["statuses"]), closed
+
+
+def test_image_healthchecks_pass(stack):
+    """The HEALTHCHECK each image declares (envserve health over gRPC; /healthz; redis-cli ping)."""
+    names = stack.containers()
+    assert len(names) == len(GRID_ENVS) + 2, names
+    deadline = time.monotonic() + 60  # docker runs checks on its own interval (10 s)
+    unhealthy = names
+    while unhealthy and time.monotonic() < deadline:
+        unhealthy = [n for n in unhealthy if not stack.healthy(n)]
+        if unhealthy:
+            time.sleep(1)
+    assert not unhealthy
+
+
+def test_down_leaves_no_container_or_network(stack, engine_api):
+    label = f"com.docker.compose.project={stack.project}"
+    before = leftovers(engine_api, label, f"{stack.project}_")
+    # The API must see the running stack, or an empty answer below would prove nothing.
+    assert len(before["containers"]) == len(GRID_ENVS) + 2, before
+    assert before["networks"], before
+    stack.down()
+    assert leftovers(engine_api, label, f"{stack.project}_") == {"containers": [], "networks": []}
