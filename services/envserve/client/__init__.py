@@ -3,10 +3,11 @@ from .aio import AsyncEnvClient, InteractStream
 from .client import EnvClient, decode_image, state_dict
 from .errors import (EnvServeError, PermissionDeniedError, ReplicaFullError, SessionLostError,
                      SessionNotFoundError, UnauthenticatedError, UnavailableError, check, item_error)
+from .aio_routing import AsyncRoutedClient, RoutedStream
 from .routing import RoutedClient
 
 __all__ = [
-    "EnvClient", "AsyncEnvClient", "RoutedClient", "InteractStream", "decode_image", "state_dict",
+    "EnvClient", "AsyncEnvClient", "RoutedClient", "AsyncRoutedClient", "RoutedStream", "InteractStream", "decode_image", "state_dict",
     "EnvServeError", "SessionLostError", "SessionNotFoundError", "ReplicaFullError", "UnavailableError",
     "PermissionDeniedError", "UnauthenticatedError", "check", "item_error",
 ]

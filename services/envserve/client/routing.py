@@ -28,9 +28,12 @@ def _item_failure(sid: str, code: grpc.StatusCode, message: str) -> pb.StepResul
     return pb.StepResult(session_id=sid, status=pb.ItemStatus(code=code.value[0], message=message))
 
 
-class RoutedClient:
-    """directory: a Directory or its URL. use_external: connect to the replicas' external
-    addresses (published container ports) instead of their in-network ones."""
+class Router:
+    """What the sync and async routed clients share: the cached replica list, where to open,
+    and which replica a session lives on. directory: a Directory or its URL. use_external:
+    connect to the replicas' external addresses (published container ports)."""
+
+    client_class = EnvClient
 
     def __init__(self, directory: "Directory | str", token: str | None = None, state_token: str | None = None,
                  root_certificates: "bytes | str | None" = None, tls: bool = False, use_external: bool = False,
@@ -67,12 +70,12 @@ class RoutedClient:
     def _address(self, r: ReplicaInfo) -> str:
         return (r.external_address or r.address) if self.use_external else r.address
 
-    def client_for(self, r: ReplicaInfo) -> EnvClient:
+    def client_for(self, r: ReplicaInfo):
         key = (r.replica_id, self._address(r))
         with self._lock:
             c = self._clients.get(key)
             if c is None:
-                c = self._clients[key] = EnvClient(key[1], **self.client_kw)
+                c = self._clients[key] = self.client_class(key[1], **self.client_kw)
             return c
 
     def _replica_for(self, session_id: str) -> ReplicaInfo | None:
@@ -102,6 +105,30 @@ class RoutedClient:
             load[rid] += 1
             shares[rid] = shares.get(rid, 0) + 1
         return shares
+
+    def _note_opened(self, replica_id: str, n: int) -> None:
+        with self._lock:
+            self._opened_since_fetch[replica_id] = self._opened_since_fetch.get(replica_id, 0) + n
+
+    def _still_listed(self, replica_id: str) -> bool:
+        try:
+            self.replicas(refresh=True)
+        except DirectoryUnavailable:
+            return True  # cannot tell: report it unavailable, not lost
+        return replica_id in self._known
+
+    def _lost(self, sid: str, rid: str) -> pb.StepResult:
+        return _item_failure(sid, grpc.StatusCode.DATA_LOSS,
+                             f"session lost: its replica {rid!r} is gone (no heartbeat in the directory)")
+
+    def _unreachable(self, sid: str, r: ReplicaInfo, code: grpc.StatusCode, details: str, gone: bool):
+        return self._lost(sid, r.replica_id) if gone else _item_failure(
+            sid, code, f"replica {r.replica_id} at {self._address(r)}: {details}")
+
+
+class RoutedClient(Router):
+    """Synchronous: Open spreads over replicas; batches are split by replica and sent at once
+    (gRPC futures), results in request order."""
 
     def open_sessions(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
                       action_format: str = "") -> pb.OpenResponse:
@@ -139,8 +166,7 @@ class RoutedClient:
                 remaining -= len(resp.session_ids)
                 lease = min(lease, resp.lease_seconds) if lease else resp.lease_seconds
                 prompt = prompt or resp.system_prompt
-                with self._lock:
-                    self._opened_since_fetch[rid] = self._opened_since_fetch.get(rid, 0) + len(resp.session_ids)
+                self._note_opened(rid, len(resp.session_ids))
         if remaining > 0:
             self.close_sessions(opened)
             if last_error is not None:
@@ -178,24 +204,11 @@ class RoutedClient:
                 # Unreachable and gone from the directory means dead: its sessions are lost.
                 gone = e.code() == grpc.StatusCode.UNAVAILABLE and not self._still_listed(r.replica_id)
                 for i in indices:
-                    sid = sid_of(items[i])
-                    results[i] = self._lost(sid, r.replica_id) if gone else _item_failure(
-                        sid, e.code(), f"replica {r.replica_id} at {self._address(r)}: {e.details()}")
+                    results[i] = self._unreachable(sid_of(items[i]), r, e.code(), e.details(), gone)
                 continue
             for i, res in zip(indices, batch):
                 results[i] = res
         return results
-
-    def _still_listed(self, replica_id: str) -> bool:
-        try:
-            self.replicas(refresh=True)
-        except DirectoryUnavailable:
-            return True  # cannot tell: report it unavailable, not lost
-        return replica_id in self._known
-
-    def _lost(self, sid: str, rid: str) -> pb.StepResult:
-        return _item_failure(sid, grpc.StatusCode.DATA_LOSS,
-                             f"session lost: its replica {rid!r} is gone (no heartbeat in the directory)")
 
     def reset(self, session_ids: Sequence[str], seeds=None, task_id: str = "", split: str = "",
               same_task: bool = False) -> list[pb.StepResult]:
