@@ -458,3 +458,17 @@ def test_sokoban_tile_colours_are_distinct():
     assert env.grid_rows()[1] == "#__SX√__#"
     img2 = env.render_image(90)
     assert not np.array_equal(img2[30:60, 30:40], img[30:60, 30:40])
+
+
+def test_a_new_task_reset_forgets_the_last_tasks_turns():
+    """Episode numbers restart with a new task; its turn 0 must be its own, not the last task's."""
+    from envserve.core.session import Session
+    s = Session("sokoban", {}, "no_think")
+    s.reset(seed=1)
+    first = s.get_state(0)["anchor"]
+    s.step("<answer>Up</answer>")
+    s.reset(seed=2)
+    assert s.get_state(0)["anchor"] != first
+    assert s.get_state(-1)["turn"] == 0
+    s.reset(same_task=True)  # the same trial: both episodes kept
+    assert s.get_state(0, episode=0)["anchor"] == s.get_state(0, episode=1)["anchor"]

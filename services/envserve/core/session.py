@@ -151,6 +151,8 @@ class Session:
         else:
             self.seed, self.task_options = self._choose_task(seed, task_id, split)
             self.episode = 0
+            # A new task starts a new trial: the last task's turns would share episode numbers.
+            self.history.clear()
         self.env.reset(self.seed, dict(self.task_options))
         self.turn = 0
         self.done = False
