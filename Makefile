@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e ".[grid,gym,directory,web,containers,dev]"
+	$(PIP) install -q -e ".[grid,gym,scienceworld,directory,web,containers,dev]"
 	touch $@
 
 install: $(VENV)/.installed

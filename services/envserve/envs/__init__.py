@@ -1,6 +1,11 @@
 """Built-in environment families: one folder each, one registration line each."""
+from importlib.util import find_spec
+
 from envserve.core.registry import register
 
 register("sokoban", "envserve.envs.sokoban:SokobanEnv")
 register("frozenlake", "envserve.envs.frozenlake:FrozenLakeEnv")
 register("minesweeper", "envserve.envs.minesweeper:MinesweeperEnv")
+# Only where its optional package (and so its bundled JVM simulator) is installed: pip install envserve[scienceworld].
+if find_spec("scienceworld"):
+    register("scienceworld", "envserve.envs.scienceworld:ScienceWorldEnv")

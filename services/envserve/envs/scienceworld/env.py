@@ -1,0 +1,264 @@
+"""ScienceWorld (Wang et al. 2022): 30 text-simulated science task types, from the PyPI package
+`scienceworld`, whose Scala simulator runs in a JVM reached through py4j. One JVM per env
+instance; close() ends it.
+
+Seeds map to (task type, variation) through the RLVMR splits: L0 = the package's train
+variations of the seen task types, L1 = their unseen (test) variations, L2 = the held-out task
+types (by default the last type of each topic). Split k owns seeds [k * SPLIT_STRIDE, ...);
+the mapping reads variations.json (the package's own lists), so it needs no JVM and is the same
+in every process.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping
+
+from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, Split
+from envserve.core.session import SessionError
+
+from .catalog import load_catalog
+
+SPLIT_STRIDE = 1_000_000
+SPLIT_NAMES = ("L0", "L1", "L2")
+_NO_MATCH = "No known action matches that input."
+_AMBIGUOUS = "Ambiguous request"
+_LOCATION = re.compile(r"called the (.+?)\.")
+
+SYSTEM_PROMPT = """You are an agent in ScienceWorld, a text-based simulation of a house, a greenhouse, a workshop, a foundry and the outdoors, where you do elementary-school science tasks (boiling and melting substances, measuring temperatures, building electrical circuits, growing plants, mixing chemicals, genetics, friction on inclined planes...).
+Each observation starts with your task, then says what your last action did.
+Actions are short commands, one per answer, for example:
+look around | look at OBJ | look in OBJ | go to LOC | open OBJ | close OBJ | pick up OBJ | put down OBJ | move OBJ to OBJ | pour OBJ into OBJ | mix OBJ | activate OBJ | deactivate OBJ | use OBJ on OBJ | connect OBJ to OBJ | disconnect OBJ | eat OBJ | flush OBJ | dunk OBJ into OBJ | read OBJ | inventory | task | wait | wait1 | focus on OBJ
+"focus on OBJ" tells the simulator which object your task is about: focusing on the wrong object ends the task as failed.
+The reward of an action is the change of your task score (0 to 100); the task succeeds when it is completed."""
+
+
+def _tasks_by_split(heldout: frozenset[str], variation_sets: Mapping[str, str]) -> dict[str, list[tuple[str, int]]]:
+    """Every split's (task name, variation) pairs, in the package's task order."""
+    out: dict[str, list[tuple[str, int]]] = {name: [] for name in SPLIT_NAMES}
+    for t in load_catalog()["tasks"]:
+        held = t["task_id"] in heldout
+        for split in (("L2",) if held else ("L0", "L1")):
+            which = variation_sets[split]
+            variations = t["train"] + t["dev"] + t["test"] if which == "all" else t[which]
+            out[split] += [(t["name"], v) for v in variations]
+    return out
+
+
+def _last_task_of_each_topic() -> str:
+    last: dict[str, str] = {}
+    for t in load_catalog()["tasks"]:
+        last[t["topic"]] = t["task_id"]
+    return ",".join(last.values())
+
+
+_DEFAULTS = {
+    # RLVMR's L2: the last task type of each of the 10 topics is never trained on.
+    "heldout_tasks": _last_task_of_each_topic(),
+    "l0_variations": "train",
+    "l1_variations": "test",
+    "l2_variations": "test",
+    "simplifications": "",
+    "reward_scale": 1.0,
+    "heap_max_mb": 512,
+}
+_DEFAULT_SPLITS = _tasks_by_split(frozenset(_DEFAULTS["heldout_tasks"].split(",")),
+                                  {"L0": "train", "L1": "test", "L2": "test"})
+_SPLIT_DOCS = {"L0": "seen variations of seen task types", "L1": "unseen variations of seen task types",
+               "L2": "held-out task types"}
+
+
+def _java_gone(e: BaseException) -> bool:
+    from py4j.protocol import Py4JNetworkError
+    return isinstance(e, (Py4JNetworkError, ConnectionError, OSError))
+
+
+class ScienceWorldEnv(Environment):
+    spec = EnvSpec(
+        env_id="scienceworld",
+        description="ScienceWorld: 30 science task types with their variations, from the scienceworld "
+                    "package's JVM simulator; RLVMR splits L0/L1/L2.",
+        system_prompt=SYSTEM_PROMPT,
+        action_space="a ScienceWorld command, e.g. look around, go to kitchen, pick up thermometer, focus on water",
+        # RLVMR: 30 steps, one action per turn.
+        max_turns=30,
+        max_actions_per_turn=1,
+        config_defaults=_DEFAULTS,
+        config_docs={
+            "heldout_tasks": "comma-separated task ids (tasks.json, e.g. '1-4') of split L2; the others make L0/L1",
+            "l0_variations": "the package's variation list for L0: train, dev, test or all",
+            "l1_variations": "the package's variation list for L1: train, dev, test or all",
+            "l2_variations": "the package's variation list for L2: train, dev, test or all",
+            "simplifications": "the package's simplification string, e.g. 'easy' or 'openDoors,teleportAction'",
+            "reward_scale": "reward = scale * change of the task score (0-100)",
+            "heap_max_mb": "maximum Java heap of the session's JVM (-Xmx), in MiB",
+        },
+        splits=tuple(Split(name, f"{_SPLIT_DOCS[name]}: {len(_DEFAULT_SPLITS[name])} (task, variation) pairs "
+                                 f"with the default config, seeds from {k * SPLIT_STRIDE:.0e}",
+                           k * SPLIT_STRIDE, len(_DEFAULT_SPLITS[name]))
+                     for k, name in enumerate(SPLIT_NAMES)),
+        default_action_format="free_think",
+        # The simulator's state lives in the JVM: forks replay (seed, actions).
+        supports_snapshot=False,
+    )
+
+    def __init__(self, config: Mapping[str, Any]):
+        super().__init__(config)
+        c = self.config
+        known = {t["task_id"] for t in load_catalog()["tasks"]}
+        heldout = frozenset(x.strip() for x in c["heldout_tasks"].split(",") if x.strip())
+        if heldout - known:
+            raise ValueError(f"unknown task ids {sorted(heldout - known)}; known: {sorted(known)}")
+        sets = {s: c[f"{s.lower()}_variations"] for s in SPLIT_NAMES}
+        for s, v in sets.items():
+            if v not in ("train", "dev", "test", "all"):
+                raise ValueError(f"{s.lower()}_variations must be train, dev, test or all, got {v!r}")
+        self._splits = _tasks_by_split(heldout, sets)
+        if not all(self._splits.values()):
+            raise ValueError("every split needs at least one task type")
+        if int(c["heap_max_mb"]) < 64:
+            raise ValueError("heap_max_mb must be at least 64")
+        self._scale = float(c["reward_scale"])
+        self._proc = self._gateway = self._server = None
+        self._lost = ""
+        self._start_jvm()
+        self._task = ("", -1)
+        self._obs = ""
+        self._desc = ""
+        self._score = 0
+        self._done = self._success = False
+        self._truth: GroundTruth | None = None
+        self._valid: list[str] | None = None
+
+    # -- the JVM -----------------------------------------------------------------------
+    def _start_jvm(self) -> None:
+        from py4j.java_gateway import GatewayParameters, JavaGateway, launch_gateway
+        from scienceworld.constants import BASEPATH, JAR_PATH
+        # The package's ScienceWorldEnv cannot pass JVM options, so the gateway is launched here
+        # the same way (die_on_exit: the JVM ends with this process's stdin pipe) plus a bounded
+        # heap; the serial GC because a session's JVM should not run a GC thread per core.
+        port, proc = launch_gateway(classpath=JAR_PATH, die_on_exit=True, cwd=BASEPATH, return_proc=True,
+                                    javaopts=[f"-Xmx{int(self.config['heap_max_mb'])}m", "-XX:+UseSerialGC"])
+        self._proc = proc
+        self._gateway = JavaGateway(gateway_parameters=GatewayParameters(auto_field=True, port=port),
+                                    java_process=proc)
+        self._server = self._gateway.jvm.scienceworld.runtime.pythonapi.PythonInterface()
+
+    @property
+    def java_pid(self) -> int:
+        return self._proc.pid if self._proc else -1
+
+    def _call(self, method: str, *args):
+        """One call into the simulator. A dead JVM loses this session only: DATA_LOSS, which
+        clients raise as SessionLostError, as for a dead worker."""
+        if self._lost:
+            raise SessionError("DATA_LOSS", self._lost)
+        try:
+            return getattr(self._server, method)(*args)
+        except Exception as e:
+            from py4j.protocol import Py4JJavaError
+            if isinstance(e, Py4JJavaError) and self._proc.poll() is None:
+                raise  # a simulator exception with a live JVM: the caller decides
+            code = self._proc.poll()
+            self._lost = (f"session lost: the ScienceWorld JVM (pid {self._proc.pid}) "
+                          f"{'exited with code ' + str(code) if code is not None else 'stopped answering'} "
+                          f"({type(e).__name__}); open a new session")
+            self.close()
+            raise SessionError("DATA_LOSS", self._lost) from None
+
+    def close(self) -> None:
+        gateway, proc = self._gateway, self._proc
+        self._gateway = self._server = None
+        if gateway is not None:
+            try:
+                gateway.shutdown()
+            except Exception:  # noqa: BLE001 - the JVM may already be gone
+                pass
+        if proc is not None and proc.poll() is None:
+            try:
+                # die_on_exit: the JVM exits on a line on its stdin (py4j issue 320).
+                proc.stdin.write(b"\n")
+                proc.stdin.flush()
+                proc.wait(5)
+            except Exception:  # noqa: BLE001 - it did not exit: make sure no JVM outlives the session
+                proc.kill()
+                proc.wait()
+
+    # -- episodes ----------------------------------------------------------------------
+    def task_of_seed(self, seed: int) -> tuple[str, int]:
+        """(task name, variation) of a seed: split by seed range, then an index into its list."""
+        pairs = self._splits[SPLIT_NAMES[(seed // SPLIT_STRIDE) % len(SPLIT_NAMES)]]
+        return pairs[(seed % SPLIT_STRIDE) % len(pairs)]
+
+    def reset(self, seed: int, options: Mapping[str, Any] | None = None) -> None:
+        self._task = self.task_of_seed(int(seed or 0))
+        self._call("load", self._task[0], self._task[1], str(self.config["simplifications"]), False)
+        # As the package's reset(): the first observation is a "look around" (it costs no move).
+        self._obs = self._call("step", "look around")
+        self._desc = self._call("getTaskDescription")
+        self._score = 0
+        self._done = self._success = False
+        self._truth = self._valid = None
+
+    def step(self, action: str) -> ActionOutcome:
+        if self._done:
+            return ActionOutcome(valid=False, feedback="The episode is over; reset the environment.")
+        from py4j.protocol import Py4JJavaError
+        try:
+            obs = self._call("step", action)
+            feedback = ""
+            if obs.startswith(_AMBIGUOUS):
+                # The simulator asks which object was meant; take its first reading, as agents
+                # given one action per turn cannot answer the question.
+                feedback = "Ambiguous action; the first matching object was used."
+                obs = self._call("step", "0")
+        except Py4JJavaError as e:
+            return ActionOutcome(valid=False, feedback=f"The simulator rejected {action!r}: {e.java_exception}")
+        self._truth = self._valid = None
+        self._obs = obs
+        if obs.strip() == _NO_MATCH:
+            return ActionOutcome(valid=False, feedback=obs)
+        score = int(round(100 * self._call("getScore")))
+        completed = bool(self._call("getCompleted"))
+        delta, self._score = score - self._score, score
+        # A negative score is the package's failed task (e.g. focus on the wrong object): over.
+        self._done = completed or score < 0
+        self._success = completed and score >= 100
+        reward = self._scale * delta
+        return ActionOutcome(reward=reward, done=self._done, success=self._success, feedback=feedback,
+                             components={"score": reward}, info={"score": score})
+
+    # -- observations --------------------------------------------------------------------
+    def render_text(self) -> str:
+        return f"{self._desc}\n\n{self._obs}"
+
+    def ground_truth(self) -> GroundTruth:
+        if self._truth is None:
+            look = self._call("freeActionLook")
+            inventory = self._call("freeActionInventory")
+            m = _LOCATION.search(look)
+            location = m.group(1) if m else ""
+            items = [line.strip() for line in inventory.splitlines()[1:] if line.strip()]
+            state = {
+                "task": self._task[0], "variation": self._task[1], "task_description": self._desc,
+                "location": location, "look": look, "inventory": items, "score": self._score,
+                "completed": self._success, "moves": int(self._call("getNumMoves")),
+                "goal_progress": self._call("getGoalProgressStr"),
+            }
+            relations = [f"the agent is in the {location}"] + [f"the agent has {i}" for i in items]
+            self._truth = GroundTruth(state, relations)
+        return self._truth
+
+    def anchor_data(self) -> Any:
+        # The place, what is seen and held, and the score identify the state; the move count
+        # would make every step a new state.
+        s = self.ground_truth().state
+        return "\x1f".join([s["task"], str(s["variation"]), s["look"], *s["inventory"], str(s["score"])])
+
+    def valid_actions(self) -> list[str]:
+        """The simulator's valid action/object combinations (about 50 ms each state): only called
+        when the session asks (include_valid_actions). Sorted: the JVM's order is a hash order."""
+        if self._done:
+            return []
+        if self._valid is None:
+            self._valid = sorted(set(self._call("getValidActionObjectCombinations")))
+        return list(self._valid)
