@@ -100,9 +100,10 @@ class ReplicaServer:
         return self.port
 
     def replica_info(self) -> ReplicaInfo:
-        metrics_host = self.config.resolved_advertise(self.port).rpartition(":")[0]
+        address = self.config.resolved_advertise(self.port)
+        metrics_host = address.rpartition(":")[0]
         return ReplicaInfo(
-            replica_id=self.replica.replica_id, address=self.config.resolved_advertise(self.port),
+            replica_id=self.replica.replica_id, address=address,
             external_address=self.config.external_address, envs=list(self.config.env_ids),
             capacity=self.config.max_sessions, live_sessions=len(self.replica.sessions),
             draining=self.replica.draining, tls=bool(self.config.tls_cert_file),
