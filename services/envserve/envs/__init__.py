@@ -9,3 +9,6 @@ register("minesweeper", "envserve.envs.minesweeper:MinesweeperEnv")
 # Only where its optional package (and so its bundled JVM simulator) is installed: pip install envserve[scienceworld].
 if find_spec("scienceworld"):
     register("scienceworld", "envserve.envs.scienceworld:ScienceWorldEnv")
+# Only where alfworld and textworld[pddl] are installed: pip install envserve[alfworld].
+if find_spec("alfworld") and find_spec("fast_downward"):
+    register("alfworld", "envserve.envs.alfworld:AlfWorldEnv")
