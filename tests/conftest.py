@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 
 import pytest
 
@@ -9,6 +10,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "containers"))
 from serverproc import ServerProcess  # noqa: E402
 
 GRID_ENVS = ["sokoban", "frozenlake", "minesweeper"]
+
+# Generated ALFWorld games of every test server land in one folder that outlives the run, so a
+# second run on the same machine reads them instead of generating again (CI starts empty).
+os.environ.setdefault("ENVSERVE_ALFWORLD_GAMES", os.path.join(tempfile.gettempdir(), "envserve-test-alfworld-games"))
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,8 @@ import subprocess
 import sys
 from typing import Any
 
+from .generate import _close_engine, expert_seed
+
 NOTHING_HAPPENS = "Nothing happens."
 _CACHES_INSTALLED = False
 
@@ -86,7 +88,7 @@ class Engine:
         self._expert = False
         self._admissible: list[str] = []
 
-    def load(self, game_file: str, expert: bool, seed: int) -> dict:
+    def load(self, game_file: str, expert: bool) -> dict:
         from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
         from alfworld.agents.expert import HandCodedTWAgent
         from textworld import EnvInfos
@@ -98,8 +100,8 @@ class Engine:
             env.load(game_file)
             self._env, self._game_file = env, game_file
         self._expert = HandCodedTWAgent(max_steps=200) if expert else None
-        # The handcoded expert draws from the global `random`: seed it per episode.
-        random.seed(f"{game_file}:{seed}")
+        # The handcoded expert draws from the global `random`: seed it per game, as generate.solve does.
+        random.seed(expert_seed(game_file))
         state = self._env.reset()
         if self._expert is not None:
             self._expert.reset(game_file)
@@ -126,7 +128,8 @@ class Engine:
 
     def _answer(self, state, valid: bool, expert_action: str) -> dict:
         self._admissible = list(state["admissible_commands"])
-        facts = sorted(" ".join([f.name, *(a.name for a in f.arguments)]) for f in state["facts"])
+        # [predicate, argument names]: demangled names ("apple 1", "loc 3", "agent1").
+        facts = sorted([f.name, *(a.name.strip() for a in f.arguments)] for f in state["facts"])
         return {"feedback": state["feedback"], "admissible": self._admissible, "won": bool(state["won"]),
                 "valid": valid, "facts": facts, "expert_action": expert_action}
 
@@ -136,7 +139,6 @@ class Engine:
         return generate_solvable(seed, task_type, floor_plans, root)[0]
 
     def close(self) -> None:
-        from .generate import _close_engine
         if self._env is not None:
             _close_engine(self._env)
         self._env = None
@@ -218,8 +220,8 @@ class EngineClient:
             raise RuntimeError(value)
         return value
 
-    def load(self, game_file: str, expert: bool, seed: int) -> dict:
-        return self._call("load", game_file, expert, seed)
+    def load(self, game_file: str, expert: bool) -> dict:
+        return self._call("load", game_file, expert)
 
     def step(self, command: str) -> dict:
         return self._call("step", command)

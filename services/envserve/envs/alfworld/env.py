@@ -218,7 +218,7 @@ class AlfWorldEnv(Environment):
     def reset(self, seed: int, options: Mapping[str, Any] | None = None) -> None:
         ref = self.game_of_seed(int(seed or 0))
         path = self._game_path(ref)
-        self._state = self._call("load", path, bool(self.config["expert"]), int(seed or 0))
+        self._state = self._call("load", path, bool(self.config["expert"]))
         self._game, self._game_file = ref, path
         # base split / task folder / trial: the same on every machine, unlike the path.
         self._game_key = "/".join(path.replace("\\", "/").split("/")[-4:-1])
@@ -247,15 +247,16 @@ class AlfWorldEnv(Environment):
             return feedback
         return f"Your task is to: {self._goal}\n\n{feedback}"
 
+    def _world_facts(self) -> list[list[str]]:
+        return [f for f in self._state.get("facts", []) if f[0] not in _LOOK_FACTS]
+
     def ground_truth(self) -> GroundTruth:
-        facts = self._state.get("facts", [])
-        world = [f for f in facts if f.split(" ", 1)[0] not in _LOOK_FACTS]
+        world = self._world_facts()
         at = {}
-        receptacle_at = {}
+        receptacle_at: dict[str, list[str]] = {}
         inside: dict[str, str] = {}
         holding, opened, states = [], [], {}
-        for f in world:
-            name, *args = _split_fact(f)
+        for name, *args in world:
             if name == "atlocation" and len(args) == 2:
                 at[args[0]] = args[1]
             elif name == "receptacleatlocation":
@@ -276,7 +277,7 @@ class AlfWorldEnv(Environment):
             "inventory": sorted(holding), "object_locations": dict(sorted(inside.items())),
             "open_receptacles": sorted(opened), "object_states": {k: sorted(v) for k, v in sorted(states.items())},
             "won": bool(self._state.get("won")), "admissible_commands": list(self._state.get("admissible", [])),
-            "facts": world,
+            "facts": [" ".join(f) for f in world],
         }
         if self.config["expert"]:
             state["expert_action"] = self._state.get("expert_action", "")
@@ -289,24 +290,7 @@ class AlfWorldEnv(Environment):
 
     def anchor_data(self) -> Any:
         # The world facts identify the state; what the agent has looked at does not.
-        facts = self._state.get("facts", [])
-        return "\x1f".join([self._game_key, *(f for f in facts if f.split(" ", 1)[0] not in _LOOK_FACTS)])
+        return "\x1f".join([self._game_key, *("\x1e".join(f) for f in self._world_facts())])
 
     def valid_actions(self) -> list[str]:
         return [] if self._done else list(self._state.get("admissible", []))
-
-
-def _split_fact(fact: str) -> list[str]:
-    """'inreceptacle apple 1 fridge 1' -> ['inreceptacle', 'apple 1', 'fridge 1']: names are
-    'word number' pairs after the demangler, locations and types single words."""
-    words = fact.split(" ")
-    out = [words[0]]
-    i = 1
-    while i < len(words):
-        if i + 1 < len(words) and words[i + 1].isdigit():
-            out.append(f"{words[i]} {words[i + 1]}")
-            i += 2
-        else:
-            out.append(words[i])
-            i += 1
-    return out

@@ -1,0 +1,316 @@
+"""ALFWorld through the real gRPC server: the package's handcoded expert solves generated games of
+all six task types, the official-data path serves a json_2.1.1 folder, RLVMR and LaMer splits,
+"Nothing happens." for invalid actions, one engine process per session that dies alone.
+Needs the `alfworld` and `textworld[pddl]` packages."""
+import json
+import os
+import shutil
+
+import psutil
+import pytest
+
+pytest.importorskip("alfworld")
+pytest.importorskip("fast_downward")
+
+from envserve.client import EnvClient, check, state_dict  # noqa: E402
+from envserve.client.errors import SessionLostError  # noqa: E402
+from envserve.envs.alfworld import generate as gen  # noqa: E402
+from envserve.envs.alfworld.engine import EngineClient, normalize_command  # noqa: E402
+from envserve.envs.alfworld.env import _SPLITS, SPLIT_STRIDE, AlfWorldEnv, _select  # noqa: E402
+from envserve.envs.alfworld.games import GameRef, GeneratedGames, scan_official  # noqa: E402
+from serverproc import ServerProcess  # noqa: E402
+
+SPEC = AlfWorldEnv.spec
+HELDOUT = set(SPEC.config_defaults["heldout_task_types"].split(","))
+
+
+def answer(action: str) -> str:
+    return f"<answer>{action}</answer>"
+
+
+def engine_children(pid: int) -> list[psutil.Process]:
+    out = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if "alfworld.engine" in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess(["alfworld"], workers=1, metrics=False) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with EnvClient(server.address) as c:
+        yield c
+
+
+def follow_expert(client, sid, limit=60):
+    """Steps the expert's advice (from the state endpoint) until the episode ends."""
+    r = None
+    for _ in range(limit):
+        action = state_dict(client.get_state(sid, -1))["expert_action"]
+        assert action, "the expert gave up"
+        r = client.step_one(sid, answer(action))
+        assert r.action_valid, (action, r.feedback)
+        if r.done or r.truncated:
+            break
+    return r
+
+
+def test_expert_solves_generated_games_of_all_six_types_through_grpc(client):
+    sid = client.open("alfworld", 1, {"expert": True, "max_turns": 60}, "no_think")[0]
+    solved = {}
+    # Game i of a split is task type i mod 6: seeds 0-5 of train are one game of each type.
+    for seed in range(6):
+        r = client.reset_one(sid, seed=seed)
+        truth = state_dict(client.get_state(sid, 0))
+        assert "Your task is to:" in r.observation.text and truth["goal"] in r.observation.text
+        assert truth["won"] is False and truth["location"] == "middle of the room"
+        end = follow_expert(client, sid)
+        assert end.done and end.success and end.reward == SPEC.config_defaults["success_reward"]
+        assert state_dict(client.get_state(sid, -1))["won"] is True
+        solved[truth["task_type"]] = end.turn
+    assert sorted(solved) == sorted(gen.TASK_TYPES)
+    client.close_sessions([sid])
+
+
+def test_invalid_action_is_nothing_happens_and_changes_nothing(client):
+    sid = client.open("alfworld", 1, {"include_valid_actions": True}, "no_think")[0]
+    first = client.reset_one(sid, seed=1)
+    admissible = list(first.info["valid_actions"])
+    assert "look" in admissible and any(a.startswith("go to ") for a in admissible)
+    r = client.step_one(sid, answer("fly to the moon"))
+    assert not r.action_valid and r.feedback == "Nothing happens."
+    assert "Nothing happens." in r.observation.text and r.anchor == first.anchor and not r.done
+    # "take" of something that is not there is also nothing.
+    r = client.step_one(sid, answer("take unicorn 1 from countertop 1"))
+    assert not r.action_valid and r.anchor == first.anchor
+    # Looking does not change the world, so (s, look, s') is the same transition each time.
+    a = client.step_one(sid, answer("look"))
+    b = client.step_one(sid, answer("look"))
+    assert a.action_valid and a.anchor == b.anchor == first.anchor and a.transition == b.transition != ""
+    # Moving does: a new state and a new transition key.
+    go = next(x for x in admissible if x.startswith("go to "))
+    moved = client.step_one(sid, answer(go.upper()))  # case and spacing are normalized
+    assert moved.action_valid and moved.anchor != first.anchor and moved.transition != a.transition
+    assert state_dict(client.get_state(sid, -1))["location"] == go[len("go to "):]
+    client.close_sessions([sid])
+
+
+def test_put_in_on_is_accepted_for_move_to():
+    assert normalize_command("Put  Apple 1 in/on CounterTop 1 ") == "move apple 1 to countertop 1"
+    assert normalize_command("put mug 2 in fridge 1") == "move mug 2 to fridge 1"
+    assert normalize_command("go to fridge 1") == "go to fridge 1"
+
+
+def test_walkthrough_replays_and_fork_replays_alike(client):
+    """The walkthrough stored in the game file wins through gRPC; a fork halfway (replayed)
+    ends the same way."""
+    seed = SPEC.split("valid_seen").seed_offset + 2
+    sid = client.open("alfworld", 1, {"max_turns": 80}, "no_think")[0]
+    client.reset_one(sid, seed=seed)
+    truth = state_dict(client.get_state(sid, 0))
+    games_root = os.environ["ENVSERVE_ALFWORLD_GAMES"]
+    path = os.path.join(games_root, "json_2.1.1", truth["game"], "game.tw-pddl")
+    with open(path) as f:
+        game = json.load(f)
+    assert game["solvable"] is True and 0 < len(game["walkthrough"]) <= gen.MAX_EXPERT_STEPS
+    walk = game["walkthrough"]
+    half = len(walk) // 2
+    r = None
+    for action in walk[:half]:
+        r = client.step_one(sid, answer(action))
+        assert r.action_valid, action
+    fork = client.fork(sid, 1)[0]
+    assert client.get_state(fork, -1).anchor == client.get_state(sid, -1).anchor
+    ends = []
+    for s in (sid, fork):
+        for action in walk[half:]:
+            r = client.step_one(s, answer(action))
+        ends.append((r.done, r.success, r.anchor))
+    assert ends[0] == ends[1] and ends[0][:2] == (True, True)
+    client.close_sessions([sid, fork])
+
+
+def test_splits_follow_rlvmr_and_lamer():
+    counts = {"train": 60, "valid_seen": 24, "valid_unseen": 18}
+    refs = {b: [GameRef(b, i, gen.TASK_TYPES[i % 6]) for i in range(n)] for b, n in counts.items()}
+    heldout = frozenset(HELDOUT)
+    assert heldout == {"pick_cool_then_place_in_recep", "pick_two_obj_and_place"}
+    splits = _select(refs, heldout, frozenset(SPEC.config_defaults["ood_task_types"].split(",")))
+    keys = {k: {(r.base, r.index) for r in v} for k, v in splits.items()}
+    types = {k: {r.task_type for r in v} for k, v in splits.items()}
+    assert not keys["L0"] & keys["L1"] and not keys["L0"] & keys["L2"] and not keys["L1"] & keys["L2"]
+    assert types["L0"] == types["L1"] == types["train_seen"] == set(gen.TASK_TYPES) - heldout
+    assert types["L2"] == types["ood"] == heldout and types["id"] == set(gen.TASK_TYPES) - heldout
+    assert {b for b, _ in keys["L0"]} == {"valid_seen"} and {b for b, _ in keys["L1"]} == {"valid_unseen"}
+    assert keys["id"] | keys["ood"] == keys["valid_seen"] | keys["valid_unseen"]
+    assert not keys["train_seen"] & (keys["L0"] | keys["L1"] | keys["L2"])
+    for k, (name, _, _) in enumerate(_SPLITS):
+        assert SPEC.split(name).seed_offset == k * SPLIT_STRIDE
+    # The generated unseen split never uses a floor plan of the others.
+    g = GeneratedGames("/nonexistent", counts, (10, 219, 308, 424))
+    assert set(g.floor_plans("valid_unseen")) == {10, 219, 308, 424}
+    assert not set(g.floor_plans("train")) & set(g.floor_plans("valid_unseen"))
+
+
+def test_heldout_split_serves_only_heldout_types(client):
+    sid = client.open("alfworld", 1, {}, "no_think")[0]
+    for k in (0, 1):
+        client.reset_one(sid, seed=SPEC.split("L2").seed_offset + k)
+        assert state_dict(client.get_state(sid, 0))["task_type"] in HELDOUT
+    client.reset_one(sid, seed=SPEC.split("L1").seed_offset)
+    truth = state_dict(client.get_state(sid, 0))
+    assert truth["task_type"] not in HELDOUT and truth["split_base"] == "valid_unseen"
+    client.close_sessions([sid])
+
+
+def test_generator_is_deterministic_and_varied():
+    plans = gen.all_floor_plans()
+    seen_plans, objects, goals = set(), set(), set()
+    for seed in range(24):
+        task_type = gen.TASK_TYPES[seed % 6]
+        a = gen.generate(seed, task_type, plans)
+        b = gen.generate(seed, task_type, plans)
+        if a is None:
+            continue
+        assert a.problem == b.problem and a.traj_data == b.traj_data and a.game == b.game
+        assert "(:goal" in a.problem and a.traj_data["task_type"] == task_type
+        seen_plans.add(a.traj_data["scene"]["scene_num"])
+        objects.add(a.traj_data["pddl_params"]["object_target"])
+        goals.add(a.game["grammar"].split("Your task is to: ", 1)[1].split(".", 1)[0])
+    assert len(seen_plans) >= 12 and len(objects) >= 8 and len(goals) >= 16
+
+
+def test_generated_game_is_checked_by_the_expert_in_an_engine_process(tmp_path):
+    """Two engine processes generate the same seed into two folders: the same game, marked
+    solvable, with a walkthrough the expert found."""
+    paths = []
+    for k in range(2):
+        engine = EngineClient()
+        try:
+            paths.append(engine.generate(7, "pick_heat_then_place_in_recep", gen.all_floor_plans(),
+                                         str(tmp_path / f"run{k}")))
+        finally:
+            engine.close()
+    games = [json.load(open(p)) for p in paths]
+    assert games[0] == games[1] and games[0]["solvable"] is True and games[0]["walkthrough"]
+    assert os.path.relpath(paths[0], tmp_path / "run0") == os.path.relpath(paths[1], tmp_path / "run1")
+    folder = os.path.dirname(paths[0])
+    assert sorted(os.listdir(folder)) == ["game.tw-pddl", "initial_state.pddl", "traj_data.json"]
+    assert not [n for n in os.listdir(tmp_path / "run0") if n.startswith(".gen-")]
+
+
+@pytest.fixture(scope="module")
+def official_data(tmp_path_factory):
+    """A small folder in the official json_2.1.1 layout, made from generated games, plus what the
+    official loader skips: a movable-receptacle task and a game marked unsolvable."""
+    root = tmp_path_factory.mktemp("alfworld-data")
+    src_root = os.path.join(os.environ["ENVSERVE_ALFWORLD_GAMES"], "json_2.1.1")
+    engine = EngineClient()
+    made = {}
+    try:
+        for base, plans, types in (("train", gen.all_floor_plans(), gen.TASK_TYPES[:3]),
+                                   ("valid_seen", gen.all_floor_plans(), gen.TASK_TYPES[3:5]),
+                                   ("valid_unseen", [10, 219, 308, 424], gen.TASK_TYPES[5:] + gen.TASK_TYPES[:1])):
+            for k, task_type in enumerate(types):
+                path = engine.generate(500 + k, task_type, plans, os.path.join(src_root, "official-src", base))
+                rel = os.path.relpath(os.path.dirname(path), os.path.join(src_root, "official-src", base))
+                dest = root / "json_2.1.1" / base / rel.replace("trial_G", "trial_T")
+                shutil.copytree(os.path.dirname(path), dest)
+                made.setdefault(base, []).append(str(dest / "game.tw-pddl"))
+    finally:
+        engine.close()
+    first = os.path.dirname(os.path.dirname(made["train"][0]))
+    shutil.copytree(first, os.path.join(os.path.dirname(first), "pick_and_place_with_movable_recep-Pen-Bowl-Desk-301"))
+    unsolvable = os.path.dirname(os.path.dirname(made["train"][1])) + "-copy"
+    shutil.copytree(os.path.dirname(os.path.dirname(made["train"][1])), unsolvable)
+    for dirpath, _, files in os.walk(unsolvable):
+        if "game.tw-pddl" in files:
+            p = os.path.join(dirpath, "game.tw-pddl")
+            data = json.load(open(p))
+            data["solvable"] = False
+            json.dump(data, open(p, "w"))
+    return root, made
+
+
+def test_official_layout_folder_is_scanned_like_alfworld(official_data):
+    root, made = official_data
+    refs = scan_official(str(root / "json_2.1.1"))
+    assert {b: sorted(r.path for r in v) for b, v in refs.items()} == {b: sorted(v) for b, v in made.items()}
+
+
+def test_official_data_served_through_grpc(official_data):
+    root, made = official_data
+    with ServerProcess(["alfworld"], workers=1, metrics=False, env_vars={"ALFWORLD_DATA": str(root)}) as s, \
+            EnvClient(s.address) as c:
+        sid = c.open("alfworld", 1, {"data_source": "official", "expert": True, "max_turns": 60}, "no_think")[0]
+        served = set()
+        for name, base in (("train", "train"), ("valid_seen", "valid_seen"), ("valid_unseen", "valid_unseen")):
+            for k in range(len(made[base])):
+                c.reset_one(sid, seed=SPEC.split(name).seed_offset + k)
+                truth = state_dict(c.get_state(sid, 0))
+                assert truth["split_base"] == base
+                served.add(truth["game"])
+        expected = {"/".join(p.split("/")[-4:-1]) for ps in made.values() for p in ps}
+        assert served == expected and all("/trial_T" in g for g in served)
+        # L2 holds the held-out types only; an official game plays to the end with the expert.
+        c.reset_one(sid, seed=SPEC.split("L2").seed_offset)
+        assert state_dict(c.get_state(sid, 0))["task_type"] in HELDOUT
+        end = follow_expert(c, sid)
+        assert end.done and end.success
+        c.close_sessions([sid])
+        # Asking for official data where there is none is a clear error.
+        from envserve.client.errors import EnvServeError
+        with pytest.raises(EnvServeError) as e:
+            c.open("alfworld", 1, {"data_source": "official", "data_dir": str(root / "missing")})
+        assert "json_2.1.1" in e.value.message
+
+
+def test_engine_caches_change_nothing(client):
+    """The memoized translation and grammar parsing give the same game, step by step."""
+    plays = []
+    for caches in (True, False):
+        sid = client.open("alfworld", 1, {"engine_caches": caches, "include_valid_actions": True,
+                                          "expert": True}, "no_think")[0]
+        r = client.reset_one(sid, seed=4)
+        trace = [(r.observation.text, list(r.info["valid_actions"]), r.anchor)]
+        for _ in range(8):
+            action = state_dict(client.get_state(sid, -1))["expert_action"]
+            r = client.step_one(sid, answer(action))
+            trace.append((r.observation.text, list(r.info["valid_actions"]), r.anchor))
+            if r.done:
+                break
+        plays.append(trace)
+        client.close_sessions([sid])
+    assert plays[0] == plays[1] and len(plays[0]) > 3
+
+
+def test_killed_engine_loses_only_its_session_and_close_leaves_no_engine(server, client):
+    (worker,) = server.worker_pids()
+    before = {p.pid for p in engine_children(worker)}
+    a = client.open("alfworld", 1, {}, "no_think")[0]
+    (a_engine,) = [p for p in engine_children(worker) if p.pid not in before]
+    b = client.open("alfworld", 1, {}, "no_think")[0]
+    assert len(engine_children(worker)) == len(before) + 2
+    for s in (a, b):
+        client.reset_one(s, seed=1)
+    a_engine.kill()
+    # The worker reaps it when it next talks to it: until then it is a zombie.
+    psutil.wait_procs([a_engine], timeout=0.5)
+    assert not a_engine.is_running() or a_engine.status() == psutil.STATUS_ZOMBIE
+    res = client.step([(a, answer("look"))])[0]
+    with pytest.raises(SessionLostError) as e:
+        check(res)
+    assert "session lost" in e.value.message and str(a_engine.pid) in e.value.message
+    for _ in range(3):
+        assert client.step_one(b, answer("look")).action_valid
+    assert [s.code for s in client.close_sessions([a, b])] == [0, 0]
+    assert {p.pid for p in engine_children(worker)} == before
