@@ -41,27 +41,8 @@ def answer(a: str) -> str:
 
 
 # -- the packages' own loops, one per process ------------------------------------------------
-def _sw_package(seconds: float, out) -> None:
-    from scienceworld import ScienceWorldEnv
-    env = ScienceWorldEnv()
-    env.load(SW_TASK, _sw_variation(), "")
-    env.reset()
-    steps, t0 = 0, time.perf_counter()
-    while time.perf_counter() < t0 + seconds:
-        for a in SW_ACTIONS:
-            env.step(a)
-            steps += 1
-        env.reset()
-    out.put((steps, time.perf_counter() - t0))
-    env.close()
-
-
-def _alf_package(game_file: str, actions: list[str], seconds: float, out) -> None:
-    from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
-    from textworld import EnvInfos
-    from textworld.envs import PddlEnv
-    env = AlfredInfos(AlfredDemangler(PddlEnv(EnvInfos(admissible_commands=True, won=True, facts=True))))
-    env.load(game_file)
+def _play(env, actions: list[str], seconds: float, out) -> None:
+    """Steps through the actions and resets, over and over, for `seconds`; reports (steps, time)."""
     env.reset()
     steps, t0 = 0, time.perf_counter()
     while time.perf_counter() < t0 + seconds:
@@ -71,7 +52,24 @@ def _alf_package(game_file: str, actions: list[str], seconds: float, out) -> Non
         env.reset()
     out.put((steps, time.perf_counter() - t0))
     out.close()
-    out.join_thread()  # the queue's feeder thread must deliver before os._exit
+    out.join_thread()  # the queue's feeder thread must deliver before an os._exit
+
+
+def _sw_package(seconds: float, out) -> None:
+    from scienceworld import ScienceWorldEnv
+    env = ScienceWorldEnv()
+    env.load(SW_TASK, _sw_variation(), "")
+    _play(env, SW_ACTIONS, seconds, out)
+    env.close()
+
+
+def _alf_package(game_file: str, actions: list[str], seconds: float, out) -> None:
+    from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
+    from textworld import EnvInfos
+    from textworld.envs import PddlEnv
+    env = AlfredInfos(AlfredDemangler(PddlEnv(EnvInfos(admissible_commands=True, won=True, facts=True))))
+    env.load(game_file)
+    _play(env, actions, seconds, out)
     os._exit(0)  # as the engine does: no teardown of the planner library
 
 

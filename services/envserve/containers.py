@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass, field
 
 # Which image serves an environment. Later families add their envs here.
-FAMILY_IMAGES = {"sokoban": "grid", "frozenlake": "grid", "minesweeper": "grid"}
+FAMILY_IMAGES = {"sokoban": "grid", "frozenlake": "grid", "minesweeper": "grid",
+                 "scienceworld": "scienceworld", "alfworld": "alfworld"}
 LABEL = "envserve.stack"
 DEFAULT_REDIS_IMAGE = "redis:7-alpine"
 

@@ -312,5 +312,10 @@ def test_killed_engine_loses_only_its_session_and_close_leaves_no_engine(server,
     assert "session lost" in e.value.message and str(a_engine.pid) in e.value.message
     for _ in range(3):
         assert client.step_one(b, answer("look")).action_valid
+    # The lost session's next episode gets a new engine process.
+    client.reset_one(a, seed=1)
+    assert client.step_one(a, answer("look")).action_valid
+    assert len([p for p in engine_children(worker) if p.pid not in before]) == 2
+    assert a_engine.pid not in {p.pid for p in engine_children(worker)}
     assert [s.code for s in client.close_sessions([a, b])] == [0, 0]
     assert {p.pid for p in engine_children(worker)} == before

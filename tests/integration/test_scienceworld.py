@@ -150,5 +150,10 @@ def test_killed_jvm_loses_only_its_session_and_close_leaves_no_java(server, clie
     # The other session of the same worker goes on.
     for _ in range(3):
         assert client.step_one(b, answer("look around")).action_valid
+    # The lost session's next episode gets a new JVM.
+    r = client.reset_one(a, seed=3)
+    assert r.episode == 0 and client.step_one(a, answer("look around")).action_valid
+    now = {p.pid for p in java_children(worker)} - before
+    assert len(now) == 2 and a_java.pid not in now
     assert [s.code for s in client.close_sessions([a, b])] == [0, 0]
     assert {p.pid for p in java_children(worker)} == before

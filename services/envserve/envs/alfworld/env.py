@@ -191,7 +191,7 @@ class AlfWorldEnv(Environment):
             return getattr(self._engine, op)(*args)
         except EngineGone as e:
             self._lost = (f"session lost: its ALFWorld engine process (pid {self.engine_pid}) {e}; "
-                          "open a new session")
+                          "its episode is gone: reset the session (a new engine starts) or open a new one")
             self.close()
             raise SessionError("DATA_LOSS", self._lost) from None
 
@@ -216,6 +216,10 @@ class AlfWorldEnv(Environment):
                                                list(gen.floor_plans(ref.base)), gen.out_dir(ref))
 
     def reset(self, seed: int, options: Mapping[str, Any] | None = None) -> None:
+        if self._lost:
+            # The engine died: a new episode gets a new one.
+            self._lost = ""
+            self._start_engine()
         ref = self.game_of_seed(int(seed or 0))
         path = self._game_path(ref)
         self._state = self._call("load", path, bool(self.config["expert"]))

@@ -161,7 +161,8 @@ class ScienceWorldEnv(Environment):
             code = self._proc.poll()
             self._lost = (f"session lost: the ScienceWorld JVM (pid {self._proc.pid}) "
                           f"{'exited with code ' + str(code) if code is not None else 'stopped answering'} "
-                          f"({type(e).__name__}); open a new session")
+                          f"({type(e).__name__}); its episode is gone: reset the session (a new JVM "
+                          f"starts) or open a new one")
             self.close()
             raise SessionError("DATA_LOSS", self._lost) from None
 
@@ -190,6 +191,10 @@ class ScienceWorldEnv(Environment):
         return pairs[(seed % SPLIT_STRIDE) % len(pairs)]
 
     def reset(self, seed: int, options: Mapping[str, Any] | None = None) -> None:
+        if self._lost:
+            # The JVM died: a new episode gets a new one.
+            self._lost = ""
+            self._start_jvm()
         self._task = self.task_of_seed(int(seed or 0))
         self._call("load", self._task[0], self._task[1], str(self.config["simplifications"]), False)
         # As the package's reset(): the first observation is a "look around" (it costs no move).
