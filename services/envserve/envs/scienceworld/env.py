@@ -76,7 +76,7 @@ class ScienceWorldEnv(Environment):
     spec = EnvSpec(
         env_id="scienceworld",
         description="ScienceWorld: 30 science task types with their variations, from the scienceworld "
-                    "package's JVM simulator; RLVMR splits L0/L1/L2.",
+                    "package's JVM simulator; RLVMR splits L0/L1/L2. Text only: no image observation.",
         system_prompt=SYSTEM_PROMPT,
         action_space="a ScienceWorld command, e.g. look around, go to kitchen, pick up thermometer, focus on water",
         # RLVMR: 30 steps, one action per turn.
