@@ -152,8 +152,10 @@ class Replica:
             if until <= now:
                 del self.lost[sid]
         if expired:
-            await self.close_sessions(expired)
+            # Counted before the close: the live-sessions gauge drops inside close_sessions, and a
+            # scrape between the two would see them gone but not reaped.
             self.metrics.sessions_reaped.inc(len(expired))
+            await self.close_sessions(expired)
             log.info("reaped %d idle sessions", len(expired))
         return len(expired)
 
