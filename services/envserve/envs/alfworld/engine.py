@@ -85,7 +85,7 @@ class Engine:
             install_caches()
         self._env = None
         self._game_file = ""
-        self._expert = False
+        self._expert = None
         self._admissible: list[str] = []
 
     def load(self, game_file: str, expert: bool) -> dict:

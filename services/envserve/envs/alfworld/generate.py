@@ -133,9 +133,6 @@ class Scene:
     def instances(self, cls: str) -> list[str]:
         return [name for name, (c, _) in self.objects.items() if c == cls]
 
-    def receptacles_of(self, cls: str) -> list[str]:
-        return [name for name, (c, _) in self.receptacles.items() if c == cls]
-
 
 def _receptacle_class(thor_id: str) -> str:
     parts = thor_id.split("|")
@@ -355,16 +352,15 @@ def generate(seed: int, task_type: str, floor_plans: Sequence[int], attempt: int
 
 
 def write_game(game: Game, root: str) -> str:
-    """Write the game folder under root (atomically per file); returns the game.tw-pddl path."""
+    """Write the game folder under root; returns the game.tw-pddl path. Readers never see it
+    half written: generate_solvable writes into a private folder and renames the whole game."""
     folder = os.path.join(root, game.key)
     os.makedirs(folder, exist_ok=True)
     for fname, text in (("traj_data.json", json.dumps(game.traj_data, indent=1)),
                         ("initial_state.pddl", game.problem),
                         ("game.tw-pddl", json.dumps(game.game))):
-        tmp = os.path.join(folder, f".{fname}.{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
+        with open(os.path.join(folder, fname), "w") as f:
             f.write(text)
-        os.replace(tmp, os.path.join(folder, fname))
     return os.path.join(folder, "game.tw-pddl")
 
 
