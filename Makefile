@@ -8,6 +8,16 @@ PYTEST_ARGS ?=
 # build), kept outside git and reused by every later install; point it at a CI cache folder.
 WHEELHOUSE ?= $(or $(ENVSERVE_WHEELHOUSE),.wheelhouse)
 SOURCE_ONLY = jericho==3.3.1 fast-downward-textworld==20.6.4
+# Installed before the extras, so ManiSkill reuses it instead of pulling a CUDA build; a GPU machine
+# sets its own (e.g. TORCH="torch --index-url https://download.pytorch.org/whl/cu124").
+TORCH ?= torch==2.13.0
+# ManiSkill's SAPIEN needs Vulkan even for state-only steps. Where the machine has no GPU driver of
+# its own, the tests use Mesa's lavapipe (CPU), fetched once into LAVAPIPE by deploy/vulkan/.
+LAVAPIPE ?= .lavapipe
+ifeq ($(VK_ICD_FILENAMES)$(wildcard /usr/share/vulkan/icd.d/nvidia_icd.json /etc/vulkan/icd.d/nvidia_icd.json),)
+export VK_ICD_FILENAMES := $(abspath $(LAVAPIPE))/lvp_icd.json
+VULKAN_DRIVER = $(LAVAPIPE)/lvp_icd.json
+endif
 
 .PHONY: run test install wheels proto bench clean
 
@@ -15,7 +25,9 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(MAKE) --no-print-directory wheels
-	$(PIP) install -q --find-links $(WHEELHOUSE) -e ".[grid,gym,scienceworld,alfworld,directory,web,containers,dev]"
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q --find-links $(WHEELHOUSE) \
+	  -e ".[grid,gym,scienceworld,alfworld,svg,navigation,maniskill,directory,web,containers,dev]"
 	touch $@
 
 # Builds each source-only wheel once; a wheel already in the wheelhouse is not rebuilt.
@@ -34,8 +46,11 @@ install: $(VENV)/.installed
 run: install
 	$(VENV)/bin/envserve demo
 
-test: install
+test: install $(VULKAN_DRIVER)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+$(LAVAPIPE)/lvp_icd.json:
+	deploy/vulkan/fetch-lavapipe.sh $(LAVAPIPE)
 
 # Regenerates the Python stubs from proto/ (a test fails when they disagree).
 proto: install
