@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 # Which image serves an environment. Later families add their envs here.
 FAMILY_IMAGES = {"sokoban": "grid", "frozenlake": "grid", "minesweeper": "grid",
-                 "scienceworld": "scienceworld", "alfworld": "alfworld"}
+                 "scienceworld": "scienceworld", "alfworld": "alfworld",
+                 "svg": "svg", "navigation": "navigation", "primitive_skill": "maniskill"}
 LABEL = "envserve.stack"
 DEFAULT_REDIS_IMAGE = "redis:7-alpine"
 

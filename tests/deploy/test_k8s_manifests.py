@@ -344,7 +344,11 @@ def test_every_pod_meets_the_restricted_pod_security_standard(rendered, overlay)
                 assert any(m["mountPath"] == tmp and m["name"] in writable for m in c["volumeMounts"]), where
 
 
-def test_only_the_gpu_cluster_trainer_asks_for_a_gpu(rendered):
+# The simulators that render through Vulkan (SAPIEN, AI2-THOR's CloudRendering) go to GPU nodes.
+GPU_FAMILIES = {"envserve-maniskill", "envserve-navigation"}
+
+
+def test_only_the_gpu_cluster_trainer_and_simulators_ask_for_a_gpu(rendered):
     def gpu_limit(w):
         return int(main_container(w)["resources"].get("limits", {}).get(GPU, 0))
 
@@ -355,10 +359,16 @@ def test_only_the_gpu_cluster_trainer_asks_for_a_gpu(rendered):
         assert trainer["spec"]["suspend"] is True
         cmd = main_container(trainer)["command"] + main_container(trainer)["args"]
         assert cmd[0] == "torchrun" and "envserve_trainer.train" in cmd
-        for dep in env_deployments(objs):  # the grid family runs on CPU nodes
-            assert gpu_limit(dep) == 0 and not pod_spec(dep).get("nodeSelector")
-            assert not pod_spec(dep).get("tolerations")
+        for dep in env_deployments(objs):
+            if overlay == "gpu-cluster" and dep["metadata"]["name"] in GPU_FAMILIES:
+                assert gpu_limit(dep) == 1 and pod_spec(dep)["nodeSelector"]
+                assert any(t["key"] == GPU for t in pod_spec(dep)["tolerations"])
+            else:  # grid, text and svg run on CPU nodes
+                assert gpu_limit(dep) == 0 and not pod_spec(dep).get("nodeSelector")
+                assert not pod_spec(dep).get("tolerations")
     assert all(gpu_limit(w) == 0 for w in of_kind(rendered["local"], "Deployment") + of_kind(rendered["local"], "Job"))
+    gpu_deps = {d["metadata"]["name"] for d in env_deployments(rendered["gpu-cluster"]) if gpu_limit(d)}
+    assert gpu_deps == GPU_FAMILIES
 
     trainer = named(rendered["gpu-cluster"], "Job", "envserve-trainer")
     assert gpu_limit(trainer) >= 1
@@ -424,7 +434,8 @@ def test_tls_component_swaps_the_plaintext_grpc_probes(tmp_path):
             assert positional == ["envserve", "health"]
             assert flags["--tls-ca"].startswith(mounts["tls"] + "/")
             assert flags["--address"].endswith(":" + replica_flags(dep)["--port"])
-        assert GPU not in c["resources"]["limits"]  # TLS must not disturb the other patches
+        # TLS must not disturb the other patches: the GPU families keep their GPU, the rest get none.
+        assert (GPU in c["resources"]["limits"]) == (dep["metadata"]["name"] in GPU_FAMILIES)
     web = main_container(named(objs, "Deployment", "envserve-web"))
     web_mounts = {m["name"]: m["mountPath"] for m in web["volumeMounts"]}
     assert parse_args(web["args"])[1]["--tls-ca"] == f"{web_mounts['tls']}/ca.crt"
