@@ -12,3 +12,10 @@ if find_spec("scienceworld"):
 # Only where alfworld and textworld[pddl] are installed: pip install envserve[alfworld].
 if find_spec("alfworld") and find_spec("fast_downward"):
     register("alfworld", "envserve.envs.alfworld:AlfWorldEnv")
+# Visual envs, each where its simulator package is installed (envserve[svg], [navigation], [maniskill]).
+if find_spec("cairosvg"):
+    register("svg", "envserve.envs.svg:SvgEnv")
+if find_spec("miniworld") or find_spec("ai2thor"):
+    register("navigation", "envserve.envs.navigation:NavigationEnv")
+if find_spec("mani_skill"):
+    register("primitive_skill", "envserve.envs.primitive_skill:PrimitiveSkillEnv")
