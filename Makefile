@@ -19,7 +19,7 @@ export VK_ICD_FILENAMES := $(abspath $(LAVAPIPE))/lvp_icd.json
 VULKAN_DRIVER = $(LAVAPIPE)/lvp_icd.json
 endif
 
-.PHONY: run test install wheels proto bench clean
+.PHONY: run test install wheels proto bench bench-visual clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -59,6 +59,10 @@ proto: install
 
 bench: install
 	$(PY) bench/step_throughput.py
+
+# Step and render latency of svg, navigation and primitive_skill (README, Performance).
+bench-visual: install $(VULKAN_DRIVER)
+	$(PY) bench/visual_envs.py --json
 
 clean:
 	rm -rf $(VENV) build *.egg-info services/*.egg-info
