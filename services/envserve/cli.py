@@ -137,13 +137,13 @@ def cmd_ls(args) -> int:
         with EnvClient(args.address) as c:
             specs = c.list_envs()
         for s in specs:
-            print(f"{s.env_id:14s} {','.join(s.modalities):11s} max_turns={s.max_turns:<3d} "
+            print(f"{s.env_id:16s} {','.join(s.modalities):11s} max_turns={s.max_turns:<3d} "
                   f"actions/turn={s.max_actions_per_turn}  {s.description}")
         return 0
     from envserve.core.registry import env_ids, get_env_class
     for e in env_ids():
         spec = get_env_class(e).spec
-        print(f"{e:14s} {','.join(spec.modalities):11s} {spec.description}")
+        print(f"{e:16s} {','.join(spec.modalities):11s} {spec.description}")
     return 0
 
 
