@@ -1,0 +1,66 @@
+"""The judge's settings, with VAGEN's defaults.
+
+One frozen dataclass shared by the rule judge, the repetition penalty and the reward assembly, so
+that a service, a trainer and a test agree on the numbers. `JudgeConfig.from_mapping` takes a plain
+dict (a YAML section, a gRPC Struct) and refuses unknown keys and wrong types.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class JudgeConfig:
+    # A response passes (verdict True) when its F1 against the ground truth is at least this.
+    f1_threshold: float = 0.7
+    # PrimitiveSkill: a claimed coordinate matches when every axis is within this many mm.
+    coordinate_tolerance_mm: float = 10.0
+    # Navigation: a claimed distance matches when it is within this many metres of the true one.
+    distance_tolerance_m: float = 0.5
+    # r_reason = beta_grounding * grounding + beta_world_modeling * world_modeling.
+    beta_grounding: float = 0.5
+    beta_world_modeling: float = 0.5
+    # Repetition penalty (VAGEN's appendix): a response among the `repetition_top_k` most frequent
+    # ones and below `f1_threshold` scores `repetition_penalty` instead of its F1. VAGEN keeps the
+    # top 5 of at most 1000 tracked strings.
+    repetition_top_k: int = 5
+    repetition_max_tracked: int = 1000
+    # A response seen fewer times than this is never "frequent" (with few distinct responses,
+    # every one of them would otherwise be in the top k).
+    repetition_min_count: int = 2
+    repetition_penalty: float = -0.1
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.f1_threshold <= 1.0:
+            raise ValueError(f"f1_threshold must be in [0, 1], got {self.f1_threshold}")
+        if self.coordinate_tolerance_mm < 0 or self.distance_tolerance_m < 0:
+            raise ValueError("tolerances must not be negative")
+        if self.repetition_top_k < 0 or self.repetition_max_tracked < 1 or self.repetition_min_count < 1:
+            raise ValueError("repetition_top_k >= 0, repetition_max_tracked >= 1 and repetition_min_count >= 1")
+        if self.repetition_max_tracked < self.repetition_top_k:
+            raise ValueError("repetition_max_tracked must be at least repetition_top_k")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any] | None) -> "JudgeConfig":
+        """Defaults plus `values`; raises ValueError on an unknown key or a value of the wrong type."""
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in (values or {}).items():
+            if key not in known:
+                raise ValueError(f"unknown judge config key {key!r}; known: {sorted(known)}")
+            default = getattr(cls, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"judge config {key!r} must be a number, got {value!r}")
+            if isinstance(default, int):
+                if int(value) != value:
+                    raise ValueError(f"judge config {key!r} must be an integer, got {value!r}")
+                value = int(value)
+            else:
+                value = float(value)
+            kwargs[key] = value
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
