@@ -306,7 +306,8 @@ _COMPASS = {("upper", "left"): "north[\\s\\-]?west", ("upper", "right"): "north[
 
 
 # 'right next to', 'right here': 'right' as an intensifier states no direction.
-_NEUTRAL = (r"right\s+(?:next|beside|by|here|there|now|away|after|before|at|in|on|where)\b|all\s+right|"
+_NEUTRAL = (r"right\s+(?:next|beside|by|here|there|now|away|after|before|where)\b|all\s+right|"
+            r"right(?=\s+(?:in\s+front|behind|above|below|under|beneath|on\s+top|at\s+the\s+same))|"
             r"(?:the\s+)?(?:left|right)\s+(?:action|move|arrow|key|button|turn)s?\b", (), False)
 
 
@@ -317,10 +318,10 @@ def _grid_phrase_table() -> list[tuple[str, tuple[str, ...], bool]]:
     t.append((rf"(?:at|in|on|occup(?:y|ies))\s+the\s+same\s+{place}(?:\s+as)?|same\s+{place}(?:\s+as)?|"
               r"overlap(?:s|ping)?(?:\s+with)?|coincides?\s+with", ("same_row", "same_column"), False))
     t.append((r"(?:(?:in|on|at)\s+)?the\s+same\s+(?:row|horizontal\s+line|level|height)(?:\s+as)?|"
-              r"same\s+row(?:\s+as)?|horizontally\s+aligned(?:\s+with)?|aligned\s+horizontally(?:\s+with)?",
+              rf"same\s+row(?:\s+as)?|(?:in|on|at)\s+{_POSS}\s+row|horizontally\s+aligned(?:\s+with)?|aligned\s+horizontally(?:\s+with)?",
               ("same_row",), False))
     t.append((r"(?:(?:in|on|at)\s+)?the\s+same\s+(?:column|vertical\s+line)(?:\s+as)?|same\s+column(?:\s+as)?|"
-              r"vertically\s+aligned(?:\s+with)?|aligned\s+vertically(?:\s+with)?", ("same_column",), False))
+              rf"(?:in|on|at)\s+{_POSS}\s+column|vertically\s+aligned(?:\s+with)?|aligned\s+vertically(?:\s+with)?", ("same_column",), False))
     for (v, h), atoms in _DIAG.items():
         diag = rf"{_VWORDS[v]}[\s\-]*{h}"
         t.append((rf"(?:(?:to|on|at|in)\s+(?:the|{_POSS})\s+)?{diag}(?:\s+(?:side|corner|direction))?(?:\s+of)?"
@@ -388,36 +389,56 @@ _NOT_OBJECTS = {"it", "this", "that", "there", "which", "what", "state", "positi
 _DISTANCE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:m|meters?|metres?)\b")
 
 
-def _clauses(text: str, family: str, lex: Lexicon) -> list[str]:
-    """Sentences, each cut further where a new subject starts after a relation was stated."""
-    out = []
+_RELATIVE = re.compile(r"\s*,?\s*\b(?:which|that|who)\s+(?=(?:is|are|lies|sits|stands|will\s+be|would\s+be)\b)")
+
+
+def _clauses(text: str, family: str, lex: Lexicon) -> list[tuple[str, str]]:
+    """(clause, subject inherited from a relative pronoun or ''): sentences, cut where a new subject
+    starts after a relation was stated, and at 'which is' / 'that is' (whose subject is the last
+    object named before it)."""
+    out: list[tuple[str, str]] = []
     for sentence in _SENTENCE.split(text):
         if not sentence.strip():
             continue
-        start = 0
-        cuts = []
-        seps = list(_SPLIT.finditer(sentence))
-        for n, m in enumerate(seps):
-            # the text up to this separator (since the last cut) and the piece up to the next one
-            before = sentence[start:m.start()]
-            after = sentence[m.end():seps[n + 1].start() if n + 1 < len(seps) else len(sentence)]
-            if not _find_phrases(before, family):
-                continue
-            rel = _find_phrases(after, family)
-            ment = find_mentions(after, lex)
-            first_rel = rel[0].start if rel else len(after)
-            if (ment and ment[0].start < first_rel) or _UNKNOWN_SUBJECT.match(after):
-                cuts.append((m.start(), m.end()))
-                start = m.end()
-        pos = 0
-        for a, b in cuts:
-            out.append(sentence[pos:a])
-            pos = b
-        out.append(sentence[pos:])
-    return [c.strip() for c in out if c.strip()]
+        pieces: list[tuple[str, str]] = []
+        pos, inherited = 0, ""
+        for m in _RELATIVE.finditer(sentence):
+            head = sentence[pos:m.start()]
+            pieces.append((head, inherited))
+            named = find_mentions(head, lex)
+            inherited = named[-1].name if named else ""
+            pos = m.end()
+        pieces.append((sentence[pos:], inherited))
+        for piece, inherited in pieces:
+            out += _cut(piece, family, lex, inherited)
+    return [(c.strip(), i) for c, i in out if c.strip()]
 
 
-def _clause_claims(clause: str, lex: Lexicon) -> list[Claim]:
+def _cut(sentence: str, family: str, lex: Lexicon, inherited: str) -> list[tuple[str, str]]:
+    start = 0
+    cuts = []
+    seps = list(_SPLIT.finditer(sentence))
+    for n, m in enumerate(seps):
+        # the text up to this separator (since the last cut) and the piece up to the next one
+        before = sentence[start:m.start()]
+        after = sentence[m.end():seps[n + 1].start() if n + 1 < len(seps) else len(sentence)]
+        if not _find_phrases(before, family):
+            continue
+        rel = _find_phrases(after, family)
+        ment = find_mentions(after, lex)
+        first_rel = rel[0].start if rel else len(after)
+        if (ment and ment[0].start < first_rel) or _UNKNOWN_SUBJECT.match(after):
+            cuts.append((m.start(), m.end()))
+            start = m.end()
+    out, pos = [], 0
+    for a, b in cuts:
+        out.append((sentence[pos:a], inherited))
+        inherited, pos = "", b
+    out.append((sentence[pos:], inherited))
+    return out
+
+
+def _clause_claims(clause: str, lex: Lexicon, inherited: str = "") -> list[Claim]:
     family = lex.family
     if _NEGATION.search(clause):
         return []
@@ -427,7 +448,7 @@ def _clause_claims(clause: str, lex: Lexicon) -> list[Claim]:
     mentions = [m for m in find_mentions(clause, lex)
                 if not any(p.start <= m.start < p.end and not p.needs_object for p in phrases)]
     first = phrases[0].start
-    subjects = [m.name for m in mentions if m.end <= first]
+    subjects = [m.name for m in mentions if m.end <= first] or ([inherited] if inherited else [])
     if not subjects:
         hit = _UNKNOWN_SUBJECT.search(clause[:first] + " ")
         word = hit.group(1) if hit else ""
@@ -511,7 +532,8 @@ def parse_claims(text: str, lex: Lexicon) -> list[Claim]:
     if lex.family == PRIMITIVE_SKILL:
         claims = _ps_claims(low, lex)
     else:
-        claims = [c for clause in _clauses(low, lex.family, lex) for c in _clause_claims(clause, lex)]
+        claims = [c for clause, inherited in _clauses(low, lex.family, lex)
+                  for c in _clause_claims(clause, lex, inherited)]
     seen: set[Claim] = set()
     out = []
     for c in claims:
