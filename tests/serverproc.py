@@ -106,6 +106,22 @@ class ServerProcess:
         self.kill()
 
 
+_JUDGE_LINE = re.compile(r"envserve judge on ([\d.]+:\d+)(?:.*metrics on :(\d+))?")
+
+
+class JudgeProcess(ServerProcess):
+    """`envserve judge` reading ground truth from `env_address` (or a directory URL)."""
+
+    def __init__(self, env_address: str = "", extra=(), directory: str = "", env_vars=None, metrics=False):
+        source = ["--env-address", env_address] if env_address else ["--directory", directory]
+        args = ["judge", "--port", "0", *source, *extra] + (["--metrics-port", "0"] if metrics else [])
+        self.tls_ca = None
+        self.proc, m, self.output = start_cli(args, _JUDGE_LINE, env_vars, what="judge")
+        self.address = m.group(1)
+        self.metrics_port = int(m.group(2) or 0)
+        self.wait_serving()
+
+
 class RedisProcess:
     """A real redis-server on a loopback port, with no persistence: a restart empties it,
     as a Redis pod without a volume would be."""

@@ -131,6 +131,41 @@ def cmd_web(args) -> int:
     return 0
 
 
+def cmd_judge(args) -> int:
+    """The JudgeService over the replicas of a directory or one fixed replica."""
+    from envserve.judge.app import JudgeServerConfig, run
+    from envserve.server.auth import read_tokens
+    settings = JudgeServerConfig.read_file(args.config) if args.config else {}
+    judges = dict(settings.get("judges") or {})
+    for pair in args.judge:
+        env_id, sep, name = pair.partition("=")
+        if not sep:
+            print(f"envserve judge: --judge takes ENV=JUDGE, got {pair!r}", file=sys.stderr)
+            return 2
+        judges[env_id] = name
+    llm = dict(settings.get("llm") or {})
+    for key, value in (("base_url", args.llm_base_url), ("model", args.llm_model), ("mode", args.llm_mode)):
+        if value:
+            llm[key] = value
+    state_token = (read_tokens(args.state_token_file) or ("",))[0] if args.state_token_file else \
+        os.environ.get("ENVSERVE_STATE_TOKEN", "")
+    try:
+        config = JudgeServerConfig(
+            host=args.host, port=args.port, env_address=args.env_address,
+            directory_url="" if args.env_address else args.directory, state_token=state_token,
+            env_tls_ca_file=args.env_tls_ca, scoring=settings.get("scoring") or {}, llm=llm or None,
+            judges=judges, fallback=args.fallback or settings.get("fallback", "") or ("llm" if llm else ""),
+            max_concurrent_items=int(settings.get("max_concurrent_items", args.max_concurrent_items)),
+            metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+            tokens=read_tokens(args.token_file, os.environ.get("ENVSERVE_JUDGE_TOKENS", "")),
+            tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, tls_client_ca_file=args.tls_client_ca)
+    except ValueError as e:
+        print(f"envserve judge: {e}", file=sys.stderr)
+        return 2
+    run(config)
+    return 0
+
+
 def cmd_ls(args) -> int:
     if args.address:
         from envserve.client import EnvClient
@@ -259,6 +294,35 @@ def main(argv=None) -> int:
                    help="token the page watches sessions with when a request brings none [$ENVSERVE_MONITOR_TOKEN]")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per gRPC call")
     p.set_defaults(fn=cmd_web)
+    p = sub.add_parser("judge", help="score agents' grounding and world modelling against ground truth")
+    env = os.environ.get
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
+    p.add_argument("--port", type=int, default=50070, help="gRPC port (0: any free port)")
+    p.add_argument("--env-address", default=env("ENVSERVE_ENV_ADDRESS", ""),
+                   help="one replica to read ground truth from [$ENVSERVE_ENV_ADDRESS]")
+    p.add_argument("--directory", default=env("ENVSERVE_DIRECTORY", ""),
+                   help="or the directory of replicas, redis://host:6379/0 [$ENVSERVE_DIRECTORY]")
+    p.add_argument("--state-token-file", default=env("ENVSERVE_STATE_TOKEN_FILE", ""),
+                   help="the token StateService needs, where replicas require one (also $ENVSERVE_STATE_TOKEN)")
+    p.add_argument("--env-tls-ca", default="", help="CA certificate of replicas that serve TLS")
+    p.add_argument("--config", default=env("ENVSERVE_JUDGE_CONFIG", ""),
+                   help="JSON/YAML settings: scoring, llm, judges, fallback [$ENVSERVE_JUDGE_CONFIG]")
+    p.add_argument("--judge", action="append", default=[], metavar="ENV=JUDGE",
+                   help="the judge of an env: rule or llm (repeatable)")
+    p.add_argument("--fallback", default="", help="judge of envs the rule judge cannot score (default: llm if set)")
+    p.add_argument("--llm-base-url", default=env("ENVSERVE_JUDGE_LLM_URL", ""),
+                   help="OpenAI-compatible endpoint, e.g. http://vllm:8000/v1 [$ENVSERVE_JUDGE_LLM_URL]")
+    p.add_argument("--llm-model", default=env("ENVSERVE_JUDGE_LLM_MODEL", ""))
+    p.add_argument("--llm-mode", default="", help="yesno (VAGEN's YES/NO) or structured (relations scored by F1)")
+    p.add_argument("--max-concurrent-items", type=int, default=64)
+    p.add_argument("--metrics-port", type=int, default=-1, help="Prometheus port (-1: off, 0: any free port)")
+    p.add_argument("--metrics-host", default="127.0.0.1")
+    p.add_argument("--token-file", default=env("ENVSERVE_JUDGE_TOKEN_FILE", ""),
+                   help="bearer tokens callers must send (also $ENVSERVE_JUDGE_TOKENS)")
+    p.add_argument("--tls-cert", default=env("ENVSERVE_TLS_CERT", ""))
+    p.add_argument("--tls-key", default=env("ENVSERVE_TLS_KEY", ""))
+    p.add_argument("--tls-client-ca", default=env("ENVSERVE_TLS_CLIENT_CA", ""))
+    p.set_defaults(fn=cmd_judge)
     p = sub.add_parser("ls", help="list environments (registered here, or served at --address)")
     p.add_argument("--address", default="")
     p.set_defaults(fn=cmd_ls)

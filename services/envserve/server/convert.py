@@ -73,9 +73,9 @@ def error_result(session_id: str, code: str, message: str) -> pb.StepResult:
     return pb.StepResult(session_id=session_id, status=pb.ItemStatus(code=code_number(code), message=message))
 
 
-def state_to_proto(session_id: str, record: dict) -> pb.GetStateResponse:
+def state_to_proto(session_id: str, record: dict, env_id: str = "") -> pb.GetStateResponse:
     return pb.GetStateResponse(
-        session_id=session_id, turn=record["turn"], episode=record["episode"],
+        session_id=session_id, env_id=env_id, turn=record["turn"], episode=record["episode"],
         state=to_struct(record["state"]), relations=record["relations"], anchor=record["anchor"],
         observation_text=record["observation_text"],
     )

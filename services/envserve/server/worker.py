@@ -124,7 +124,7 @@ class Worker:
         if s is None:
             return ("error", "NOT_FOUND", f"unknown session {sid}")
         try:
-            return ("ok", convert.state_to_proto(sid, s.get_state(turn, episode)).SerializeToString())
+            return ("ok", convert.state_to_proto(sid, s.get_state(turn, episode), s.env_id).SerializeToString())
         except SessionError as e:
             return ("error", e.code, e.message)
 

@@ -278,7 +278,7 @@ class GetStateRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ...) -> None: ...
 
 class GetStateResponse(_message.Message):
-    __slots__ = ("session_id", "turn", "episode", "state", "relations", "anchor", "observation_text")
+    __slots__ = ("session_id", "turn", "episode", "state", "relations", "anchor", "observation_text", "env_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_FIELD_NUMBER: _ClassVar[int]
     EPISODE_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +286,7 @@ class GetStateResponse(_message.Message):
     RELATIONS_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_FIELD_NUMBER: _ClassVar[int]
     OBSERVATION_TEXT_FIELD_NUMBER: _ClassVar[int]
+    ENV_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     turn: int
     episode: int
@@ -293,7 +294,8 @@ class GetStateResponse(_message.Message):
     relations: _containers.RepeatedScalarFieldContainer[str]
     anchor: str
     observation_text: str
-    def __init__(self, session_id: _Optional[str] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ..., state: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., relations: _Optional[_Iterable[str]] = ..., anchor: _Optional[str] = ..., observation_text: _Optional[str] = ...) -> None: ...
+    env_id: str
+    def __init__(self, session_id: _Optional[str] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ..., state: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., relations: _Optional[_Iterable[str]] = ..., anchor: _Optional[str] = ..., observation_text: _Optional[str] = ..., env_id: _Optional[str] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
     __slots__ = ("env_id", "limit", "include_images")
@@ -348,3 +350,86 @@ class ListSessionsResponse(_message.Message):
     sessions: _containers.RepeatedCompositeFieldContainer[SessionSummary]
     total: int
     def __init__(self, replica_id: _Optional[str] = ..., sessions: _Optional[_Iterable[_Union[SessionSummary, _Mapping]]] = ..., total: _Optional[int] = ...) -> None: ...
+
+class JudgeItem(_message.Message):
+    __slots__ = ("key", "session_id", "turn", "episode", "field", "text", "env_id")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    ENV_ID_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    session_id: str
+    turn: int
+    episode: int
+    field: str
+    text: str
+    env_id: str
+    def __init__(self, key: _Optional[str] = ..., session_id: _Optional[str] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ..., field: _Optional[str] = ..., text: _Optional[str] = ..., env_id: _Optional[str] = ...) -> None: ...
+
+class JudgeRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[JudgeItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[JudgeItem, _Mapping]]] = ...) -> None: ...
+
+class JudgeResult(_message.Message):
+    __slots__ = ("key", "status", "score", "verdict", "reasoning", "raw_score", "repetition_penalized", "judge", "cached", "precision", "recall", "f1", "truth_turn", "truth_anchor", "env_id", "field")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
+    RAW_SCORE_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALIZED_FIELD_NUMBER: _ClassVar[int]
+    JUDGE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
+    RECALL_FIELD_NUMBER: _ClassVar[int]
+    F1_FIELD_NUMBER: _ClassVar[int]
+    TRUTH_TURN_FIELD_NUMBER: _ClassVar[int]
+    TRUTH_ANCHOR_FIELD_NUMBER: _ClassVar[int]
+    ENV_ID_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    status: ItemStatus
+    score: float
+    verdict: bool
+    reasoning: str
+    raw_score: float
+    repetition_penalized: bool
+    judge: str
+    cached: bool
+    precision: float
+    recall: float
+    f1: float
+    truth_turn: int
+    truth_anchor: str
+    env_id: str
+    field: str
+    def __init__(self, key: _Optional[str] = ..., status: _Optional[_Union[ItemStatus, _Mapping]] = ..., score: _Optional[float] = ..., verdict: _Optional[bool] = ..., reasoning: _Optional[str] = ..., raw_score: _Optional[float] = ..., repetition_penalized: _Optional[bool] = ..., judge: _Optional[str] = ..., cached: _Optional[bool] = ..., precision: _Optional[float] = ..., recall: _Optional[float] = ..., f1: _Optional[float] = ..., truth_turn: _Optional[int] = ..., truth_anchor: _Optional[str] = ..., env_id: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
+
+class GetJudgeInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class JudgeInfo(_message.Message):
+    __slots__ = ("judge_by_env", "fallback_judge", "config", "judges")
+    class JudgeByEnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    JUDGE_BY_ENV_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_JUDGE_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    JUDGES_FIELD_NUMBER: _ClassVar[int]
+    judge_by_env: _containers.ScalarMap[str, str]
+    fallback_judge: str
+    config: _struct_pb2.Struct
+    judges: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, judge_by_env: _Optional[_Mapping[str, str]] = ..., fallback_judge: _Optional[str] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., judges: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -560,3 +560,130 @@ class MonitorService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class JudgeServiceStub:
+    """The judge: scores what an agent said it saw (grounding, against the truth of turn t) and
+    predicted (world modelling, against turn t+1), reading the truth through StateService itself.
+    A service of its own, so that a slow judge (an LLM) never delays stepping.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Judge = channel.unary_stream(
+                '/envserve.v1.JudgeService/Judge',
+                request_serializer=envserve_dot_v1_dot_envserve__pb2.JudgeRequest.SerializeToString,
+                response_deserializer=envserve_dot_v1_dot_envserve__pb2.JudgeResult.FromString,
+                _registered_method=True)
+        self.GetJudgeInfo = channel.unary_unary(
+                '/envserve.v1.JudgeService/GetJudgeInfo',
+                request_serializer=envserve_dot_v1_dot_envserve__pb2.GetJudgeInfoRequest.SerializeToString,
+                response_deserializer=envserve_dot_v1_dot_envserve__pb2.JudgeInfo.FromString,
+                _registered_method=True)
+
+
+class JudgeServiceServicer:
+    """The judge: scores what an agent said it saw (grounding, against the truth of turn t) and
+    predicted (world modelling, against turn t+1), reading the truth through StateService itself.
+    A service of its own, so that a slow judge (an LLM) never delays stepping.
+    """
+
+    def Judge(self, request, context):
+        """Scores a batch. One result per item is streamed as soon as it is ready, in order of
+        completion, matched by `key`; a failing item fails alone, with its status.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetJudgeInfo(self, request, context):
+        """Which judge scores each environment, and the scoring settings.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_JudgeServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Judge': grpc.unary_stream_rpc_method_handler(
+                    servicer.Judge,
+                    request_deserializer=envserve_dot_v1_dot_envserve__pb2.JudgeRequest.FromString,
+                    response_serializer=envserve_dot_v1_dot_envserve__pb2.JudgeResult.SerializeToString,
+            ),
+            'GetJudgeInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJudgeInfo,
+                    request_deserializer=envserve_dot_v1_dot_envserve__pb2.GetJudgeInfoRequest.FromString,
+                    response_serializer=envserve_dot_v1_dot_envserve__pb2.JudgeInfo.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'envserve.v1.JudgeService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('envserve.v1.JudgeService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class JudgeService:
+    """The judge: scores what an agent said it saw (grounding, against the truth of turn t) and
+    predicted (world modelling, against turn t+1), reading the truth through StateService itself.
+    A service of its own, so that a slow judge (an LLM) never delays stepping.
+    """
+
+    @staticmethod
+    def Judge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/envserve.v1.JudgeService/Judge',
+            envserve_dot_v1_dot_envserve__pb2.JudgeRequest.SerializeToString,
+            envserve_dot_v1_dot_envserve__pb2.JudgeResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJudgeInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/envserve.v1.JudgeService/GetJudgeInfo',
+            envserve_dot_v1_dot_envserve__pb2.GetJudgeInfoRequest.SerializeToString,
+            envserve_dot_v1_dot_envserve__pb2.JudgeInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
