@@ -120,6 +120,16 @@ def test_sokoban_equivalent_phrasings_give_the_same_claims(soko1):
         claims_of("grid", "The box is above the target.", state) == {"box above target"}
 
 
+def test_each_phrase_binds_to_the_name_after_it():
+    # a box pushed onto its target, right above the player: one clause, two objects
+    state = {"player": [3, 1], "boxes": [[2, 1]], "targets": [[2, 1]]}
+    assert claims_of("grid", "The box will be on the target, above me in my column.", state) == {
+        "box same_row target", "box same_column target", "box above player", "box same_column player"}
+    # a phrase with no name after it keeps the object before it
+    assert claims_of("grid", "The target is directly below the box, in the same column.", state) == {
+        "box above target", "box same_column target"}
+
+
 def test_sokoban_partly_right(soko1):
     _, t = soko1
     # claims: box above player (wrong: same row), target below player (right), target right_of player (right)

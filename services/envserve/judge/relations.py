@@ -457,19 +457,26 @@ def _clause_claims(clause: str, lex: Lexicon, inherited: str = "") -> list[Claim
         subjects = [f"?{word}"]
     later = [m for m in mentions if m.start >= phrases[0].end and m.name not in subjects]
     obj = later[0].name if later else ""
-    atoms: list[str] = []
+    # Each phrase binds to the first name after it, so "the box is on the target, above me" says
+    # box-on-target and box-above-player; a phrase with no name after it keeps the object before it
+    # ("directly below the box, in the same column"), or else reads the reference entity.
+    bound: list[tuple[str, str]] = []  # (atom, object)
+    last_obj = ""
     for p in phrases:
+        nxt = [m for m in mentions if m.start >= p.end and m.name not in subjects]
         if p.needs_object:  # 'is on' only counts when an object name follows right away
-            nxt = re.match(r"\s*(?:the\s+|a\s+|an\s+)?", clause[p.end:])
-            if not any(m.start == p.end + nxt.end() for m in mentions):
+            gap = re.match(r"\s*(?:the\s+|a\s+|an\s+)?", clause[p.end:])
+            if not any(m.start == p.end + gap.end() for m in mentions):
                 continue
-        atoms += [a for a in p.atoms if a not in atoms]
-    if not atoms:
+        p_obj = last_obj = nxt[0].name if nxt else last_obj
+        bound += [(a, p_obj) for a in p.atoms if (a, p_obj) not in bound]
+    if not bound:
         return []
     claims: list[Claim] = []
     if family == NAVIGATION:
         if obj and obj != "agent":
             return []  # a relation between two objects: VAGEN's navigation truth has none
+        atoms = list(dict.fromkeys(a for a, _ in bound))
         distances = [float(d) for d in _DISTANCE.findall(clause)]
         for s in subjects:
             if s == "agent":
@@ -478,18 +485,14 @@ def _clause_claims(clause: str, lex: Lexicon, inherited: str = "") -> list[Claim
             if distances:
                 claims.append(lex.canonical(s, DISTANCE, "agent", (distances[0],)))
         return claims
-    if not obj and len(subjects) >= 2 and all(a in ("same_row", "same_column") for a in atoms):
-        # "the player and the box are in the same row": every pair of subjects
-        for i, s in enumerate(subjects):
-            for o in subjects[i + 1:]:
-                claims += [lex.canonical(s, a, o) for a in atoms]
-        return claims
-    obj = obj or lex.reference
-    for s in subjects:
-        if s == obj:
+    for atom, o in bound:
+        if not o and len(subjects) >= 2 and atom in ("same_row", "same_column"):
+            # "the player and the box are in the same row": every pair of subjects
+            claims += [lex.canonical(s, atom, t) for i, s in enumerate(subjects) for t in subjects[i + 1:]]
             continue
-        claims += [lex.canonical(s, a, obj) for a in atoms]
-    return claims
+        o = o or lex.reference
+        claims += [lex.canonical(s, atom, o) for s in subjects if s != o]
+    return list(dict.fromkeys(claims))
 
 
 _TUPLE = re.compile(r"[\(\[]\s*(-?\d+(?:\.\d+)?)\s*(?:mm)?\s*,\s*(-?\d+(?:\.\d+)?)\s*(?:mm)?\s*,\s*"
