@@ -133,7 +133,7 @@ def cmd_web(args) -> int:
 
 def cmd_judge(args) -> int:
     """The JudgeService over the replicas of a directory or one fixed replica."""
-    from envserve.judge.app import JudgeServerConfig, run
+    from envserve.judge.app import JudgeServer, JudgeServerConfig, run
     from envserve.server.auth import read_tokens
     settings = JudgeServerConfig.read_file(args.config) if args.config else {}
     judges = dict(settings.get("judges") or {})
@@ -159,10 +159,11 @@ def cmd_judge(args) -> int:
             metrics_port=args.metrics_port, metrics_host=args.metrics_host,
             tokens=read_tokens(args.token_file, os.environ.get("ENVSERVE_JUDGE_TOKENS", "")),
             tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, tls_client_ca_file=args.tls_client_ca)
+        server = JudgeServer(config)  # refuses unknown settings and judges before anything starts
     except ValueError as e:
         print(f"envserve judge: {e}", file=sys.stderr)
         return 2
-    run(config)
+    run(server)
     return 0
 
 

@@ -128,6 +128,9 @@ def test_each_phrase_binds_to_the_name_after_it():
     # a phrase with no name after it keeps the object before it
     assert claims_of("grid", "The target is directly below the box, in the same column.", state) == {
         "box above target", "box same_column target"}
+    # 'is in my row' names a row, not a cell shared with "my"
+    assert claims_of("grid", "The box is in my row, to my right.", {"player": [0, 0], "boxes": [[0, 2]]}) == {
+        "box same_row player", "box right_of player"}
 
 
 def test_sokoban_partly_right(soko1):

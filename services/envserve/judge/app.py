@@ -143,8 +143,8 @@ class JudgeServer:
         self.metrics.close()
 
 
-async def serve_forever(config: JudgeServerConfig) -> None:
-    server = JudgeServer(config)
+async def serve_forever(server: JudgeServer) -> None:
+    config = server.config
     await server.start()
     stopped = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -159,9 +159,9 @@ async def serve_forever(config: JudgeServerConfig) -> None:
     await server.stop()
 
 
-def run(config: JudgeServerConfig) -> None:
+def run(server: JudgeServer) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    asyncio.run(serve_forever(config))
+    asyncio.run(serve_forever(server))
 
 
 __all__ = ["JudgeServer", "JudgeServerConfig", "build_judges", "run", "serve_forever"]

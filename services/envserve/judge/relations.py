@@ -335,7 +335,8 @@ def _grid_phrase_table() -> list[tuple[str, tuple[str, ...], bool]]:
     # "the player is on the goal", "the box is on target0", "I am in a hole": same cell, only when an
     # object follows at once (so 'is on the left' is not read as this).
     t.append((r"(?:is|are|am|be|'s|'m|stands?|standing|sits?|sitting|lies|lying)\s+(?:on\s+top\s+of|on|in|at)"
-              r"(?!\s+(?:the\s+)?(?:same|left|right|upper|lower|top|bottom|north|south|east|west|middle|cent))",
+              r"(?!\s+(?:the\s+)?(?:same|left|right|upper|lower|top|bottom|north|south|east|west|middle|cent)"
+              r"|\s+(?:my|its|his|her|their|your)\b)",  # 'is in my row' is a row, not a cell
               ("same_row", "same_column"), True))
     return t
 
