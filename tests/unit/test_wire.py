@@ -14,7 +14,7 @@ def reference(sid: str, r: TurnResult) -> pb.StepResult:
     msg = pb.StepResult(session_id=sid, reward=r.reward, done=r.done, truncated=r.truncated, success=r.success,
                         action_valid=r.valid, actions_executed=r.actions_executed,
                         parsed_actions=r.parsed_actions, anchor=r.anchor, transition=r.transition,
-                        feedback=r.feedback, turn=r.turn, episode=r.episode)
+                        feedback=r.feedback, turn=r.turn, episode=r.episode, trial=r.trial)
     msg.observation.text = r.text
     msg.observation.turn = r.turn
     msg.observation.episode = r.episode
@@ -49,7 +49,8 @@ def test_encoder_matches_generated_classes():
             reasoning={random_text(rng, 6): random_text(rng) for _ in range(rng.randint(0, 3))},
             anchor=random_text(rng, 16), transition=random_text(rng, 16), feedback=random_text(rng),
             info={random_text(rng, 6): random_value(rng) for _ in range(rng.randint(0, 4))},
-            turn=rng.randint(0, 300), episode=rng.choice([0, 1, 2**31 - 1]))
+            turn=rng.randint(0, 300), episode=rng.choice([0, 1, 2**31 - 1]),
+            trial=rng.choice([0, 1, 300, 2**31 - 1]))
         sid = random_text(rng, 20)
         decoded = pb.StepResult.FromString(wire.step_result(sid, r))
         assert decoded == reference(sid, r)

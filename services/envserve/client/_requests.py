@@ -38,3 +38,13 @@ def reset_request(session_ids: Sequence[str], seeds=None, task_id: str = "", spl
 def step_request(actions: "Mapping[str, str] | Iterable[tuple[str, str]]") -> pb.StepRequest:
     pairs = actions.items() if isinstance(actions, Mapping) else actions
     return pb.StepRequest(items=[pb.StepItem(session_id=s, action=a) for s, a in pairs])
+
+
+def get_state_request(session_id: str, turn: int = -1, episode: int | None = None,
+                      trial: int | None = None) -> pb.GetStateRequest:
+    req = pb.GetStateRequest(session_id=session_id, turn=turn)
+    if episode is not None:
+        req.episode = episode
+    if trial is not None:
+        req.trial = trial
+    return req

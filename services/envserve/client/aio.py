@@ -51,11 +51,10 @@ class AsyncEnvClient:
     async def close_sessions(self, session_ids: Sequence[str]) -> list[pb.ItemStatus]:
         return list((await self._call(self.env.Close, pb.CloseRequest(session_ids=list(session_ids)))).statuses)
 
-    async def get_state(self, session_id: str, turn: int = -1, episode: int | None = None) -> pb.GetStateResponse:
-        req = pb.GetStateRequest(session_id=session_id, turn=turn)
-        if episode is not None:
-            req.episode = episode
-        return await self._call(self.state.GetState, req, self.state_metadata)
+    async def get_state(self, session_id: str, turn: int = -1, episode: int | None = None,
+                        trial: int | None = None) -> pb.GetStateResponse:
+        return await self._call(self.state.GetState, rq.get_state_request(session_id, turn, episode, trial),
+                                self.state_metadata)
 
     def stream(self) -> "InteractStream":
         return InteractStream(self.env, self.metadata)

@@ -111,8 +111,9 @@ class AsyncRoutedClient(Router):
                              f"session lost: its replica {replica_of(session_id)!r} is gone", session_id)
         return self.client_for(r)
 
-    async def get_state(self, session_id: str, turn: int = -1, episode: int | None = None) -> pb.GetStateResponse:
-        return await (await self._session_client(session_id)).get_state(session_id, turn, episode)
+    async def get_state(self, session_id: str, turn: int = -1, episode: int | None = None,
+                        trial: int | None = None) -> pb.GetStateResponse:
+        return await (await self._session_client(session_id)).get_state(session_id, turn, episode, trial)
 
     async def fork(self, session_id: str, count: int = 1) -> list[str]:
         return await (await self._session_client(session_id)).fork(session_id, count)

@@ -99,11 +99,10 @@ class EnvClient:
     def close_sessions(self, session_ids: Sequence[str]) -> list[pb.ItemStatus]:
         return list(self._call(self.env.Close, pb.CloseRequest(session_ids=list(session_ids))).statuses)
 
-    def get_state(self, session_id: str, turn: int = -1, episode: int | None = None) -> pb.GetStateResponse:
-        req = pb.GetStateRequest(session_id=session_id, turn=turn)
-        if episode is not None:
-            req.episode = episode
-        return self._call(self.state.GetState, req, self.state_metadata)
+    def get_state(self, session_id: str, turn: int = -1, episode: int | None = None,
+                  trial: int | None = None) -> pb.GetStateResponse:
+        return self._call(self.state.GetState, rq.get_state_request(session_id, turn, episode, trial),
+                          self.state_metadata)
 
     def interact(self, requests: Iterable[pb.InteractRequest]):
         """Blocking iterator over InteractResponses, in order of completion (see AsyncEnvClient.stream

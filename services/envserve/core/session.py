@@ -94,6 +94,7 @@ class TurnResult:
     info: dict[str, Any] = field(default_factory=dict)
     turn: int = 0
     episode: int = 0
+    trial: int = 0
 
 
 class Session:
@@ -123,6 +124,8 @@ class Session:
         self.seed: int | None = None
         self.task_options: dict = {}
         self.episode = -1
+        # A reset to a new task starts the next trial; its episodes count from 0 again.
+        self.trial = -1
         self.turn = 0
         self.done = False
         self.anchor = ""
@@ -151,8 +154,9 @@ class Session:
         else:
             self.seed, self.task_options = self._choose_task(seed, task_id, split)
             self.episode = 0
-            # A new task starts a new trial: the last task's turns would share episode numbers.
-            self.history.clear()
+            # A new task starts a new trial. The last trial's turns stay in the history (bounded),
+            # so a judge that reads them after this reset still finds them by trial.
+            self.trial += 1
         self.env.reset(self.seed, dict(self.task_options))
         self.turn = 0
         self.done = False
@@ -250,12 +254,13 @@ class Session:
         result.text = text
         result.turn = self.turn
         result.episode = self.episode
+        result.trial = self.trial
         if self.config["include_valid_actions"]:
             result.info["valid_actions"] = list(self.env.valid_actions() or [])
         if self.config["render_image"]:
             result.image = self.env.render_image(int(self.config["image_size"]))
         self.history.append({
-            "episode": self.episode, "turn": self.turn, "state": truth.state,
+            "trial": self.trial, "episode": self.episode, "turn": self.turn, "state": truth.state,
             "relations": list(truth.relations), "anchor": anchor, "observation_text": text,
         })
         self.updated_unix = time.time()
@@ -272,22 +277,31 @@ class Session:
             "observation_text": self.history[-1]["observation_text"] if self.history else "",
         }
 
-    def get_state(self, turn: int = -1, episode: int | None = None) -> dict:
+    def get_state(self, turn: int = -1, episode: int | None = None, trial: int | None = None) -> dict:
         if not self.history:
             raise SessionError("FAILED_PRECONDITION", "session has not been reset")
+        if trial is None:
+            trial = self.trial
+        elif trial < 0:
+            trial = self.trial + 1 + trial
+        in_trial = [r for r in self.history if r.get("trial", 0) == trial]
+        if not in_trial:
+            raise SessionError("NOT_FOUND", f"trial {trial} is not kept (current trial {self.trial})")
+        last_episode = in_trial[-1]["episode"]
         if episode is None:
-            episode = self.episode
+            episode = last_episode
         elif episode < 0:
-            episode = self.episode + 1 + episode
-        records = [r for r in self.history if r["episode"] == episode]
+            episode = last_episode + 1 + episode
+        records = [r for r in in_trial if r["episode"] == episode]
         if not records:
-            raise SessionError("NOT_FOUND", f"episode {episode} is not kept (current episode {self.episode})")
+            raise SessionError("NOT_FOUND", f"episode {episode} of trial {trial} is not kept "
+                                            f"(latest episode {last_episode})")
         if turn < 0:
             turn = records[-1]["turn"] + 1 + turn
         for r in records:
             if r["turn"] == turn:
                 return r
-        raise SessionError("NOT_FOUND", f"turn {turn} of episode {episode} is not kept; kept turns "
+        raise SessionError("NOT_FOUND", f"turn {turn} of episode {episode} (trial {trial}) is not kept; kept turns "
                                         f"{records[0]['turn']}..{records[-1]['turn']}")
 
     def close(self) -> None:
@@ -298,7 +312,7 @@ class Session:
         """A picklable copy: a snapshot where the env can make one, else what replay needs."""
         blob = {
             "env_id": self.env_id, "config": dict(self.config), "action_format": self.action_format,
-            "seed": self.seed, "task_options": self.task_options, "episode": self.episode,
+            "seed": self.seed, "task_options": self.task_options, "episode": self.episode, "trial": self.trial,
             "turn": self.turn, "done": self.done, "anchor": self.anchor,
             "replay_log": list(self.replay_log), "history": list(self.history),
             "progress": (self.last_action, self.last_reward, self.episode_return, self.success, self.truncated),
@@ -321,6 +335,7 @@ class Session:
             for text in blob["replay_log"]:
                 s._replay_turn(text)
         s.episode, s.turn, s.done, s.anchor = blob["episode"], blob["turn"], blob["done"], blob["anchor"]
+        s.trial = blob.get("trial", 0)
         s.replay_log = list(blob["replay_log"])
         s.history.extend(blob["history"])
         if "progress" in blob:

@@ -76,6 +76,7 @@ def error_result(session_id: str, code: str, message: str) -> pb.StepResult:
 def state_to_proto(session_id: str, record: dict, env_id: str = "") -> pb.GetStateResponse:
     return pb.GetStateResponse(
         session_id=session_id, env_id=env_id, turn=record["turn"], episode=record["episode"],
+        trial=record.get("trial", 0),
         state=to_struct(record["state"]), relations=record["relations"], anchor=record["anchor"],
         observation_text=record["observation_text"],
     )

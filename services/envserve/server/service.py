@@ -465,8 +465,9 @@ class StateService(pb_grpc.StateServiceServicer):
         if rec is None:
             await context.abort(getattr(grpc.StatusCode, code), message)
         episode = request.episode if request.HasField("episode") else None
+        trial = request.trial if request.HasField("trial") else None
         try:
-            reply = await self.r.pool.call(rec.worker, "get_state", (request.session_id, request.turn, episode))
+            reply = await self.r.pool.call(rec.worker, "get_state", (request.session_id, request.turn, episode, trial))
         except WorkerLost as e:
             await context.abort(grpc.StatusCode.DATA_LOSS, f"session lost: {e}")
         if reply[0] != "ok":

@@ -136,4 +136,6 @@ def step_result(session_id: str, r, images: list[bytes] = ()) -> bytes:
         out.append(b"\x88\x01" + varint(episode))
     if r.transition:
         out.append(b"\x92\x01" + lp(r.transition.encode("utf-8", "replace")))
+    if r.trial:
+        out.append(b"\x98\x01" + varint(r.trial))
     return b"".join(out)

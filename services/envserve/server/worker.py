@@ -119,12 +119,12 @@ class Worker:
         return ("ok",)
 
     def op_get_state(self, payload):
-        sid, turn, episode = payload
+        sid, turn, episode, trial = payload
         s = self.sessions.get(sid)
         if s is None:
             return ("error", "NOT_FOUND", f"unknown session {sid}")
         try:
-            return ("ok", convert.state_to_proto(sid, s.get_state(turn, episode), s.env_id).SerializeToString())
+            return ("ok", convert.state_to_proto(sid, s.get_state(turn, episode, trial), s.env_id).SerializeToString())
         except SessionError as e:
             return ("error", e.code, e.message)
 

@@ -152,7 +152,7 @@ class Observation(_message.Message):
     def __init__(self, text: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("session_id", "status", "observation", "reward", "reward_components", "done", "truncated", "success", "action_valid", "actions_executed", "parsed_actions", "reasoning", "anchor", "feedback", "info", "turn", "episode", "transition")
+    __slots__ = ("session_id", "status", "observation", "reward", "reward_components", "done", "truncated", "success", "action_valid", "actions_executed", "parsed_actions", "reasoning", "anchor", "feedback", "info", "turn", "episode", "transition", "trial")
     class RewardComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,7 @@ class StepResult(_message.Message):
     TURN_FIELD_NUMBER: _ClassVar[int]
     EPISODE_FIELD_NUMBER: _ClassVar[int]
     TRANSITION_FIELD_NUMBER: _ClassVar[int]
+    TRIAL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     status: ItemStatus
     observation: Observation
@@ -203,7 +204,8 @@ class StepResult(_message.Message):
     turn: int
     episode: int
     transition: str
-    def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[ItemStatus, _Mapping]] = ..., observation: _Optional[_Union[Observation, _Mapping]] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., done: _Optional[bool] = ..., truncated: _Optional[bool] = ..., success: _Optional[bool] = ..., action_valid: _Optional[bool] = ..., actions_executed: _Optional[int] = ..., parsed_actions: _Optional[_Iterable[str]] = ..., reasoning: _Optional[_Mapping[str, str]] = ..., anchor: _Optional[str] = ..., feedback: _Optional[str] = ..., info: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ..., transition: _Optional[str] = ...) -> None: ...
+    trial: int
+    def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[ItemStatus, _Mapping]] = ..., observation: _Optional[_Union[Observation, _Mapping]] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., done: _Optional[bool] = ..., truncated: _Optional[bool] = ..., success: _Optional[bool] = ..., action_valid: _Optional[bool] = ..., actions_executed: _Optional[int] = ..., parsed_actions: _Optional[_Iterable[str]] = ..., reasoning: _Optional[_Mapping[str, str]] = ..., anchor: _Optional[str] = ..., feedback: _Optional[str] = ..., info: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ..., transition: _Optional[str] = ..., trial: _Optional[int] = ...) -> None: ...
 
 class BatchResponse(_message.Message):
     __slots__ = ("results",)
@@ -268,17 +270,19 @@ class CloseResponse(_message.Message):
     def __init__(self, statuses: _Optional[_Iterable[_Union[ItemStatus, _Mapping]]] = ...) -> None: ...
 
 class GetStateRequest(_message.Message):
-    __slots__ = ("session_id", "turn", "episode")
+    __slots__ = ("session_id", "turn", "episode", "trial")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_FIELD_NUMBER: _ClassVar[int]
     EPISODE_FIELD_NUMBER: _ClassVar[int]
+    TRIAL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     turn: int
     episode: int
-    def __init__(self, session_id: _Optional[str] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ...) -> None: ...
+    trial: int
+    def __init__(self, session_id: _Optional[str] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ..., trial: _Optional[int] = ...) -> None: ...
 
 class GetStateResponse(_message.Message):
-    __slots__ = ("session_id", "turn", "episode", "state", "relations", "anchor", "observation_text", "env_id")
+    __slots__ = ("session_id", "turn", "episode", "state", "relations", "anchor", "observation_text", "env_id", "trial")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_FIELD_NUMBER: _ClassVar[int]
     EPISODE_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +291,7 @@ class GetStateResponse(_message.Message):
     ANCHOR_FIELD_NUMBER: _ClassVar[int]
     OBSERVATION_TEXT_FIELD_NUMBER: _ClassVar[int]
     ENV_ID_FIELD_NUMBER: _ClassVar[int]
+    TRIAL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     turn: int
     episode: int
@@ -295,7 +300,8 @@ class GetStateResponse(_message.Message):
     anchor: str
     observation_text: str
     env_id: str
-    def __init__(self, session_id: _Optional[str] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ..., state: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., relations: _Optional[_Iterable[str]] = ..., anchor: _Optional[str] = ..., observation_text: _Optional[str] = ..., env_id: _Optional[str] = ...) -> None: ...
+    trial: int
+    def __init__(self, session_id: _Optional[str] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ..., state: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., relations: _Optional[_Iterable[str]] = ..., anchor: _Optional[str] = ..., observation_text: _Optional[str] = ..., env_id: _Optional[str] = ..., trial: _Optional[int] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
     __slots__ = ("env_id", "limit", "include_images")
@@ -352,7 +358,7 @@ class ListSessionsResponse(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., sessions: _Optional[_Iterable[_Union[SessionSummary, _Mapping]]] = ..., total: _Optional[int] = ...) -> None: ...
 
 class JudgeItem(_message.Message):
-    __slots__ = ("key", "session_id", "turn", "episode", "field", "text", "env_id")
+    __slots__ = ("key", "session_id", "turn", "episode", "field", "text", "env_id", "trial")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_FIELD_NUMBER: _ClassVar[int]
@@ -360,6 +366,7 @@ class JudgeItem(_message.Message):
     FIELD_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     ENV_ID_FIELD_NUMBER: _ClassVar[int]
+    TRIAL_FIELD_NUMBER: _ClassVar[int]
     key: str
     session_id: str
     turn: int
@@ -367,7 +374,8 @@ class JudgeItem(_message.Message):
     field: str
     text: str
     env_id: str
-    def __init__(self, key: _Optional[str] = ..., session_id: _Optional[str] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ..., field: _Optional[str] = ..., text: _Optional[str] = ..., env_id: _Optional[str] = ...) -> None: ...
+    trial: int
+    def __init__(self, key: _Optional[str] = ..., session_id: _Optional[str] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ..., field: _Optional[str] = ..., text: _Optional[str] = ..., env_id: _Optional[str] = ..., trial: _Optional[int] = ...) -> None: ...
 
 class JudgeRequest(_message.Message):
     __slots__ = ("items",)

@@ -21,6 +21,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from google.protobuf import json_format
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from envserve.client._requests import get_state_request
 from envserve.directory import ReplicaInfo, replica_of
 from envserve.v1 import envserve_pb2 as pb
 
@@ -302,12 +303,11 @@ def create_app(directory_url: str = "", replicas=(), root_certificates: bytes | 
 
     # -- StateService ---------------------------------------------------------------------------------
     @app.get("/v1/sessions/{session_id:path}/state")
-    async def get_state(session_id: str, request: Request, turn: int = -1, episode: int | None = None):
+    async def get_state(session_id: str, request: Request, turn: int = -1, episode: int | None = None,
+                        trial: int | None = None):
         md = _forwarded(request)
         r = await session_replica(session_id, md)
-        req = pb.GetStateRequest(session_id=session_id, turn=turn)
-        if episode is not None:
-            req.episode = episode
+        req = get_state_request(session_id, turn, episode, trial)
         return to_json(await table.stubs(r).state.GetState(req, timeout=timeout, metadata=md))
 
     # -- MonitorService and the page ----------------------------------------------------------------
