@@ -27,7 +27,7 @@ $(VENV)/.installed: pyproject.toml
 	$(MAKE) --no-print-directory wheels
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q --find-links $(WHEELHOUSE) \
-	  -e ".[grid,gym,scienceworld,alfworld,svg,navigation,maniskill,directory,web,containers,dev]"
+	  -e ".[grid,gym,scienceworld,alfworld,svg,navigation,maniskill,directory,web,containers,judge,dev]"
 	touch $@
 
 # Builds each source-only wheel once; a wheel already in the wheelhouse is not rebuilt.

@@ -1,9 +1,11 @@
 """Ground-truth judges: what the agent says it sees (<observation>, grounding, turn t) and predicts
 (<prediction>, world modelling, turn t+1), scored against the state GetState returns.
 
-This package depends on envserve.core only (and on state dicts in GetState's shape), never on the
-env classes: rule-based claims and F1 (rule_judge, relations), VAGEN's repetition penalty
-(repetition) and the reasoning reward (reward), configured by JudgeConfig (config).
+The judges read state dicts in GetState's shape and import no env class: rule-based claims and F1
+(rule_judge, relations), the LLM judge over an OpenAI-compatible endpoint (llm_judge, prompts; import
+it from envserve.judge.llm_judge, it needs the `judge` extra), all behind one protocol (base). VAGEN's
+repetition penalty (repetition) and the reasoning reward (reward) are configured by JudgeConfig
+(config). The JudgeService (service, app) reads the truth through StateService with the client.
 """
 from .config import JudgeConfig
 from .relations import Claim, build_lexicon, parse_claims
