@@ -98,6 +98,23 @@ def test_world_modeling_is_scored_against_turn_t_plus_1(client, jc):
     assert "Wrong: box same_row target." in g.reasoning
 
 
+def test_a_new_task_does_not_lose_the_last_trial_to_the_judge(client, jc):
+    sid = opened(client, "sokoban", 3)
+    first = client.step({sid: "<think>push</think><answer>Up</answer>"})[0]
+    anchor = first.anchor
+    assert first.trial == 0 and first.action_valid and anchor != client.get_state(sid, 0).anchor
+    # the trainer resets to a new task before the judge has read the last turn
+    again = client.reset([sid], seeds=[5])[0]
+    assert again.trial == 1 and again.episode == 0
+    assert client.get_state(sid, 1, trial=0).anchor == anchor
+    prediction = "The box will be on the target, above me in my column."
+    res = by_key(jc.judge([JudgeTask("kept", sid, 0, "world_modeling", prediction, episode=0, trial=0),
+                           JudgeTask("current", sid, 0, "world_modeling", prediction)]))
+    assert res["kept"].status.code == OK and res["kept"].truth_anchor == anchor and res["kept"].precision == 1.0
+    # without the trial, the judge reads the new task, which has no turn 1 yet
+    assert res["current"].status.code == NOT_FOUND and "turn 1" in res["current"].status.message
+
+
 # FrozenLake seed 3 (4x4): player (0,0), hole (0,2), goal (3,3).
 def test_frozenlake_grounding_and_world_modeling(client, jc):
     sid = opened(client, "frozenlake", 3)
@@ -147,7 +164,7 @@ def test_one_failing_item_never_fails_its_batch(client, jc):
 def test_repetition_penalty_for_a_frequent_low_score(client, judge):
     # its own env/field counts: FrozenLake world modelling is judged nowhere else in this module
     sids = [opened(client, "frozenlake", 3) for _ in range(4)]
-    client.step({s: "<answer>Right</answer>" for s in sids})  # player (0,1), hole (0,2) right of it
+    client.step({s: "<think>go</think><answer>Right</answer>" for s in sids})  # player (0,1), hole (0,2) right of it
     stock = "The goal is to my left."
     good = "The hole will be in my row to my right. The goal will be below and to the right of me."
     tasks = [JudgeTask(f"stock{i}", s, 0, "world_modeling", stock) for i, s in enumerate(sids[:3])]

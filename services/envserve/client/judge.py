@@ -28,12 +28,15 @@ class JudgeTask:
     text: str
     episode: int | None = None
     env_id: str = ""
+    trial: int | None = None      # StepResult.trial: set it when the session may move to a new task first
 
     def to_proto(self) -> pb.JudgeItem:
         item = pb.JudgeItem(key=self.key, session_id=self.session_id, turn=self.turn, field=self.field,
                             text=self.text, env_id=self.env_id)
         if self.episode is not None:
             item.episode = self.episode
+        if self.trial is not None:
+            item.trial = self.trial
         return item
 
 

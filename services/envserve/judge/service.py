@@ -36,7 +36,8 @@ log = logging.getLogger("envserve.judge")
 class TruthSource(Protocol):
     """Where ground truth comes from: an AsyncEnvClient (one replica) or an AsyncRoutedClient."""
 
-    async def get_state(self, session_id: str, turn: int = -1, episode: int | None = None) -> pb.GetStateResponse:
+    async def get_state(self, session_id: str, turn: int = -1, episode: int | None = None,
+                        trial: int | None = None) -> pb.GetStateResponse:
         ...
 
 
@@ -44,25 +45,27 @@ def record_of(response: pb.GetStateResponse) -> dict[str, Any]:
     """A GetState response as the record dict the judges read."""
     return {"state": json_format.MessageToDict(response.state), "relations": list(response.relations),
             "anchor": response.anchor, "observation_text": response.observation_text,
-            "turn": response.turn, "episode": response.episode, "env_id": response.env_id}
+            "turn": response.turn, "episode": response.episode, "trial": response.trial,
+            "env_id": response.env_id}
 
 
 class TruthCache:
-    """Recent GetState records by (session, episode, turn). The grounding of turn t+1 and the world
-    modelling of turn t read the same record; a record never changes once written."""
+    """Recent GetState records by (session, trial, episode, turn). The grounding of turn t+1 and the
+    world modelling of turn t read the same record; a record never changes once written."""
 
     def __init__(self, source: TruthSource, size: int = 4096):
         self.source, self.size = source, size
-        self._records: OrderedDict[tuple[str, int, int], dict] = OrderedDict()
+        self._records: OrderedDict[tuple[str, int, int, int], dict] = OrderedDict()
 
-    async def get(self, session_id: str, turn: int, episode: int | None) -> dict:
-        if episode is not None and episode >= 0:
-            hit = self._records.get((session_id, episode, turn))
+    async def get(self, session_id: str, turn: int, episode: int | None, trial: int | None) -> dict:
+        key = (session_id, trial, episode, turn)
+        if trial is not None and trial >= 0 and episode is not None and episode >= 0:
+            hit = self._records.get(key)
             if hit is not None:
-                self._records.move_to_end((session_id, episode, turn))
+                self._records.move_to_end(key)
                 return hit
-        record = record_of(await self.source.get_state(session_id, turn, episode))
-        self._records[(session_id, record["episode"], record["turn"])] = record
+        record = record_of(await self.source.get_state(session_id, turn, episode, trial))
+        self._records[(session_id, record["trial"], record["episode"], record["turn"])] = record
         while len(self._records) > self.size:
             self._records.popitem(last=False)
         return record
@@ -158,12 +161,13 @@ class JudgeCore:
             return p
         p.truth_turn = truth_turn(item.field, item.turn)
         episode = item.episode if item.HasField("episode") else None
+        trial = item.trial if item.HasField("trial") else None
         try:
             if item.field == WORLD_MODELING:
-                previous = await self.truth.get(item.session_id, item.turn, episode)
-                truth = await self.truth.get(item.session_id, p.truth_turn, previous["episode"])
+                previous = await self.truth.get(item.session_id, item.turn, episode, trial)
+                truth = await self.truth.get(item.session_id, p.truth_turn, previous["episode"], previous["trial"])
             else:
-                previous, truth = None, await self.truth.get(item.session_id, p.truth_turn, episode)
+                previous, truth = None, await self.truth.get(item.session_id, p.truth_turn, episode, trial)
         except Exception as e:  # an EnvServeError carries the replica's status; anything else is UNAVAILABLE
             code = getattr(getattr(e, "code", None), "name", "UNAVAILABLE")
             p.error = _failed(item, code, f"ground truth of turn {p.truth_turn}: {getattr(e, 'message', e)}")
@@ -200,7 +204,10 @@ class JudgeCore:
             log.exception("judge failed on %s", item.key)
             self.metrics.items.labels("", item.field, "INTERNAL").inc()
             return _failed(item, "INTERNAL", f"judge failed: {type(e).__name__}: {e}", p)
-        score, penalized = self.repetition.apply(_tracker_key(p), item.text, j.score)
+        if "parse_error" in j.details:  # the judge model misbehaved, not the agent: no penalty on top
+            score, penalized = j.score, False
+        else:
+            score, penalized = self.repetition.apply(_tracker_key(p), item.text, j.score)
         if penalized:
             self.metrics.penalized.labels(item.field).inc()
         self.metrics.items.labels(j.judge, item.field, "OK").inc()
