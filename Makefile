@@ -19,7 +19,7 @@ export VK_ICD_FILENAMES := $(abspath $(LAVAPIPE))/lvp_icd.json
 VULKAN_DRIVER = $(LAVAPIPE)/lvp_icd.json
 endif
 
-.PHONY: run test install wheels proto bench bench-visual clean
+.PHONY: run test install wheels proto bench bench-visual bench-judge clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -63,6 +63,10 @@ bench: install
 # Step and render latency of svg, navigation and primitive_skill (README, Performance).
 bench-visual: install $(VULKAN_DRIVER)
 	$(PY) bench/visual_envs.py --json
+
+# Rollout steps/s with the judge on against off (README, Performance).
+bench-judge: install
+	$(PY) bench/judge_overhead.py --json
 
 clean:
 	rm -rf $(VENV) build *.egg-info services/*.egg-info

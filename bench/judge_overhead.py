@@ -11,7 +11,9 @@ themselves give the noise.
     noise_off_rounds        = (max - min) / mean of the off rounds' steps/s
     judged_per_s            = judge results received per second of the on rounds
     judge_latency_p50_ms/p95  submit -> result, per item
-    judge_results_ok        = share of results with status OK (all others are counted too)
+    judge_results_ok        = share of results with status OK (all others are counted too); a judge
+                              that falls further behind than the kept turns (history_turns) reads
+                              turns that are gone, and those items fail NOT_FOUND
 
 The policy: `--policy-ms` per batch models the model writing the next answers (on a GPU, so this
 machine's CPUs idle meanwhile); 100 ms for 64 answers is far faster than any LLM. `--policy-ms 0` is
@@ -125,6 +127,10 @@ async def main_async(args) -> dict:
         for policy_ms in args.policy_ms:
             policy_s = policy_ms / 1000
             off, on, on_seconds, first = [], [], 0.0, len(arrived)
+            # untimed: the same episodes once, so the rooms new seeds need are generated (and cached)
+            # before any timed round
+            await env.reset(sids, seeds=list(range(args.sessions)))
+            await rollout(env, sids, args.seconds, None, sent_at, random.Random(0), policy_s)
             for _ in range(args.rounds):
                 # Every round replays the same episodes (same seeds, same answers), so off and on
                 # rounds do the same env work, resets of finished episodes included.
