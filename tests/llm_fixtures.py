@@ -174,3 +174,18 @@ def judge_model_server(tiny_judge_model, tmp_path_factory):
     server = ModelServer(tiny_judge_model[0], tmp_path_factory.mktemp("hf-home"))
     yield server
     server.stop()
+
+
+def sokoban_push_right() -> tuple[dict, dict]:
+    """Real GetState records of turns 0 and 1 of Sokoban seed 7: the player at (2,2) pushes the box
+    right (player (2,3), box (2,4))."""
+    from envserve.core.session import Session
+    s = Session("sokoban", {}, "grounding_worldmodeling")
+    try:
+        s.reset(seed=7)
+        before = s.get_state(-1)
+        s.step("<think><observation>x</observation><reasoning>y</reasoning>"
+               "<prediction>The box will be right of me.</prediction></think><answer>Right</answer>")
+        return before, s.get_state(-1)
+    finally:
+        s.close()

@@ -15,12 +15,11 @@ import asyncio
 
 import pytest
 
-from envserve.core.session import Session
 from envserve.judge import GROUNDING, WORLD_MODELING
 from envserve.judge.base import JudgeInput, Judgment
 from envserve.judge.llm_judge import LLMJudge, LLMJudgeConfig
 from envserve.judge.prompts import structured_prompt, yesno_prompt
-from llm_fixtures import judge_model_server, tiny_judge_model  # noqa: F401
+from llm_fixtures import judge_model_server, sokoban_push_right, tiny_judge_model  # noqa: F401
 
 MAX_TOKENS = 12
 TEXT = "The box is at the same row and to the right of the player. The target is below and right of me."
@@ -29,15 +28,7 @@ TEXT = "The box is at the same row and to the right of the player. The target is
 @pytest.fixture(scope="module")
 def sokoban_turns():
     """Real records of turns 0 and 1 (Sokoban seed 7, one push to the right)."""
-    s = Session("sokoban", {}, "grounding_worldmodeling")
-    try:
-        s.reset(seed=7)
-        before = s.get_state(-1)
-        s.step("<think><observation>x</observation><reasoning>y</reasoning>"
-               "<prediction>The box will be right of me.</prediction></think><answer>Right</answer>")
-        after = s.get_state(-1)
-    finally:
-        s.close()
+    before, after = sokoban_push_right()
     assert before["state"]["player"] == [2, 2] and after["state"]["player"] == [2, 3]
     return before, after
 

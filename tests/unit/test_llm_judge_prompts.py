@@ -19,6 +19,7 @@ from envserve.judge.llm_judge import LLMJudgeConfig, cache_key, extract_atoms, p
 from envserve.judge.prompts import (FROZENLAKE_LEGEND, GENERIC, MAX_STATE_CHARS, SOKOBAN_LEGEND, claims_from_atoms,
                                     prompt_family, resolve_name, structured_prompt, yesno_prompt)
 # The real sessions and the layouts they assert (module-scoped: this module gets its own sessions).
+from llm_fixtures import sokoban_push_right
 from test_rule_judge import check, frozen, nav, skill, soko1, soko2  # noqa: F401
 
 RULE = RuleJudge()
@@ -82,15 +83,7 @@ def test_sokoban_grounding_prompt(soko1):
 
 
 def test_sokoban_world_modeling_prompt_shows_before_and_after():
-    s = Session("sokoban", {}, "grounding_worldmodeling")
-    try:
-        s.reset(seed=7)
-        before = s.get_state(-1)
-        s.step("<think><observation>x</observation><reasoning>y</reasoning>"
-               "<prediction>The box will be right of me.</prediction></think><answer>Right</answer>")
-        after = s.get_state(-1)
-    finally:
-        s.close()
+    before, after = sokoban_push_right()
     assert after["state"]["player"] == [2, 3] and after["state"]["boxes"] == [[2, 4]]
     content = user(yesno_prompt("sokoban", WORLD_MODELING, "The box will be right of me.", after, before))
     b, a = content.index("State before the action(s):"), content.index("True state after the action(s):")

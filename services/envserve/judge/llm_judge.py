@@ -49,7 +49,7 @@ from typing import Any, Mapping
 import httpx
 
 from .base import JudgeError, JudgeInput, Judgment
-from .config import JudgeConfig
+from .config import JudgeConfig, typed_fields
 from .prompts import (Prompt, claim_family, claims_from_atoms, prompt_family, structured_prompt,
                       yesno_prompt)
 from .rule_judge import FIELDS, WORLD_MODELING, RuleJudge, _truth_parts
@@ -101,25 +101,7 @@ class LLMJudgeConfig:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None) -> "LLMJudgeConfig":
         """Defaults plus `values`; ValueError on an unknown key or a value of the wrong type."""
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        kwargs: dict[str, Any] = {}
-        for key, value in (values or {}).items():
-            if key not in known:
-                raise ValueError(f"unknown LLM judge config key {key!r}; known: {sorted(known)}")
-            default = known[key].default
-            if isinstance(default, str):
-                if not isinstance(value, str):
-                    raise ValueError(f"LLM judge config {key!r} must be a string, got {value!r}")
-            elif isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"LLM judge config {key!r} must be a number, got {value!r}")
-            elif isinstance(default, int):
-                if int(value) != value:
-                    raise ValueError(f"LLM judge config {key!r} must be an integer, got {value!r}")
-                value = int(value)
-            else:
-                value = float(value)
-            kwargs[key] = value
-        return cls(**kwargs)
+        return cls(**typed_fields(cls, values, "LLM judge config"))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

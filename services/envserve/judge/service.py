@@ -18,10 +18,11 @@ from typing import Any, Mapping, Protocol
 
 import grpc
 from google.protobuf import json_format
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import Counter, Histogram
 
 from envserve.server.auth import Authenticator, Denied
 from envserve.server.convert import code_number, to_struct
+from envserve.server.metrics import MetricsEndpoint
 from envserve.v1 import envserve_pb2 as pb
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
 
@@ -103,9 +104,9 @@ class JudgeSelection:
         return self.judges[name]
 
 
-class JudgeMetrics:
+class JudgeMetrics(MetricsEndpoint):
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        super().__init__()
         self.items = Counter("envserve_judge_items_total", "Judged items by judge, field and status code",
                              ["judge", "field", "code"], registry=self.registry)
         self.seconds = Histogram("envserve_judge_seconds", "Time to score one item, truth fetch excluded",
@@ -113,16 +114,6 @@ class JudgeMetrics:
                                  buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30))
         self.penalized = Counter("envserve_judge_repetition_penalties_total", "Scores replaced by the penalty",
                                  ["field"], registry=self.registry)
-        self.server = None
-
-    def serve_http(self, host: str, port: int) -> int:
-        self.server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return self.server.server_port
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
 
 
 @dataclass

@@ -40,9 +40,26 @@ class StepLatency:
         yield family
 
 
-class Metrics:
+class MetricsEndpoint:
+    """A registry of its own and the HTTP endpoint Prometheus scrapes it on."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.server = None
+
+    def serve_http(self, host: str, port: int) -> int:
+        self.server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self.server.server_port
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+
+
+class Metrics(MetricsEndpoint):
+    def __init__(self) -> None:
+        super().__init__()
         self.step_seconds = StepLatency("envserve_step_seconds", "Time a worker spends on one reset or step item")
         self.registry.register(self.step_seconds)
         self.live_sessions = Gauge("envserve_live_sessions", "Open sessions", ["env"], registry=self.registry)
@@ -59,16 +76,6 @@ class Metrics:
                                      registry=self.registry)
         self.sessions_reaped = Counter("envserve_sessions_reaped_total", "Sessions closed when their lease expired",
                                        registry=self.registry)
-        self.server = None
 
     def observe_step(self, env: str, seconds: float) -> None:
         self.step_seconds.observe(env, seconds)
-
-    def serve_http(self, host: str, port: int) -> int:
-        self.server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return self.server.server_port
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
