@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds the envserve images (one per environment family, plus the HTTP facade) with docker or podman.
+# Builds the envserve images (one per environment family, the HTTP facade, the judge) with docker or podman.
 #   deploy/build-images.sh [--engine docker|podman] [--base-image IMAGE] [--tag TAG] [--pip-cert PATH] [IMAGE...]
-# IMAGE names a folder of deploy/ with a Dockerfile: grid, web (the default set), redis (a local Redis
+# IMAGE names a folder of deploy/ with a Dockerfile: grid, web, judge (the default set), redis (a local Redis
 # for machines with no registry). Each is tagged envserve-<name>:<tag>.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +25,7 @@ while [ $# -gt 0 ]; do
     *) images+=("$1"); shift ;;
   esac
 done
-[ ${#images[@]} -gt 0 ] || images=(grid web)
+[ ${#images[@]} -gt 0 ] || images=(grid web judge)
 
 # A docker CLI without a reachable daemon does not count: prefer a working docker, else podman.
 if [ -z "$engine" ]; then

@@ -161,7 +161,7 @@ def build_images(engine: Engine, base: str, tag: str, timings: dict[str, float])
     """Builds what the stack runs with the deploy scripts; returns the compose files to use."""
     files = ["docker-compose.yml"]
     args = ["--engine", engine.name, "--tag", tag]
-    images = ["grid", "web"]
+    images = ["grid", "web", "judge"]
     if base == "local":
         start = time.monotonic()
         out = subprocess.run(["bash", str(ROOT / "deploy/base/build-base-image.sh"), "--engine", engine.name],
@@ -193,7 +193,7 @@ def choose_base() -> str:
 
 
 def new_stack(engine: Engine, files: list[str]) -> Stack:
-    ports = {name: free_port() for name in ["redis", *GRID_ENVS, "web"]}
+    ports = {name: free_port() for name in ["redis", *GRID_ENVS, "web", "judge"]}
     return Stack(engine, f"envtest{uuid.uuid4().hex[:8]}", files, ports)
 
 

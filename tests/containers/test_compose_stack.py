@@ -1,8 +1,9 @@
 """The images and docker-compose.yml, for real: build the base image and the family images with the
 deploy scripts, bring the stack up under a unique project name, play a whole episode in every grid
 env through the containers (on each published port, through the Redis directory with the routing
-client, and through the HTTP facade), then take the stack down and check with the Docker Engine API
-(the docker SDK; podman's compatible service here) that none of its containers or networks is left.
+client, and through the HTTP facade), have the judge score a session it finds through the directory,
+then take the stack down and check with the Docker Engine API (the docker SDK; podman's compatible
+service here) that none of its containers or networks is left.
 
 Readiness is polled here through the gRPC health service on the published ports: compose
 healthchecks never fire under podman without systemd. See stack.py for the engine and base choice.
@@ -23,6 +24,8 @@ from stack import GRID_ENVS, leftovers, new_stack
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(900)]
 
 READY_WITHIN = 180  # seconds for every service to answer after `compose up`
+# Services besides the grid replicas: redis, web, judge.
+OTHER_SERVICES = 3
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +61,13 @@ def http_json(url: str, body: dict | None = None) -> dict:
 
 
 def wait_ready(stack) -> None:
-    """Every replica SERVING on its published port and listed in the directory, the facade up."""
+    """Every replica SERVING on its published port and listed in the directory, the facade and the
+    judge up."""
     from envserve.directory import open_directory
     deadline = time.monotonic() + READY_WITHIN
     waiting = ["start"]
     while waiting and time.monotonic() < deadline:
-        waiting = [env for env in GRID_ENVS if not serving(f"127.0.0.1:{stack.ports[env]}")]
+        waiting = [name for name in [*GRID_ENVS, "judge"] if not serving(f"127.0.0.1:{stack.ports[name]}")]
         if not waiting:
             try:
                 with open_directory(f"redis://127.0.0.1:{stack.ports['redis']}/0") as d:
@@ -133,10 +137,28 @@ def test_http_facade_serves_every_replica_in_the_directory(stack):
     assert all(s.get("code", 0) == 0 for s in closed["statuses"]), closed
 
 
+def test_judge_scores_a_session_through_the_directory(stack):
+    """The judge in the stack finds the session's replica in Redis and reads its ground truth there."""
+    from envserve.client import EnvClient, JudgeClient, JudgeTask
+    with EnvClient(f"127.0.0.1:{stack.ports['sokoban']}") as client:
+        sid = client.open("sokoban", 1)[0]
+        try:
+            # Seed 3: player (4,1), box (3,1), target (2,1): box and target straight above the player.
+            client.reset([sid], seeds=[3])
+            with JudgeClient(f"127.0.0.1:{stack.ports['judge']}") as judge:
+                (result,) = judge.judge([JudgeTask(
+                    "k", sid, 0, "grounding",
+                    "The box is above me in the same column, and the target is above me too, in my column.")])
+        finally:
+            client.close_sessions([sid])
+    assert result.status.code == 0, result.status.message
+    assert result.score == 1.0 and result.judge == "rule", result
+
+
 def test_image_healthchecks_pass(stack):
     """The HEALTHCHECK each image declares (envserve health over gRPC; /healthz; redis-cli ping)."""
     names = stack.containers()
-    assert len(names) == len(GRID_ENVS) + 2, names
+    assert len(names) == len(GRID_ENVS) + OTHER_SERVICES, names
     deadline = time.monotonic() + 60  # docker runs checks on its own interval (10 s)
     unhealthy = names
     while unhealthy and time.monotonic() < deadline:
@@ -150,7 +172,7 @@ def test_down_leaves_no_container_or_network(stack, engine_api):
     label = f"com.docker.compose.project={stack.project}"
     before = leftovers(engine_api, label, f"{stack.project}_")
     # The API must see the running stack, or an empty answer below would prove nothing.
-    assert len(before["containers"]) == len(GRID_ENVS) + 2, before
+    assert len(before["containers"]) == len(GRID_ENVS) + OTHER_SERVICES, before
     assert before["networks"], before
     stack.down()
     assert leftovers(engine_api, label, f"{stack.project}_") == {"containers": [], "networks": []}

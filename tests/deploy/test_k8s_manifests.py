@@ -1,7 +1,8 @@
 """The Kubernetes manifests (k8s/): both overlays render with `kubectl kustomize`, every object passes
 strict schema validation for Kubernetes 1.30, and the settings that only fail on a real cluster
 (probes, drain timing, autoscaling metric, selectors, GPU placement, pod security) are checked here.
-The replica's command line is run for real, so a flag the server does not know fails too."""
+The replica's and the judge's command lines are run for real, so a flag the server does not know
+fails too."""
 from __future__ import annotations
 
 import math
@@ -305,7 +306,7 @@ def test_gpu_cluster_autoscales_each_family_on_live_sessions(rendered):
 def test_local_runs_one_replica_of_local_images_without_an_autoscaler(rendered):
     local, cluster = rendered["local"], rendered["gpu-cluster"]
     assert of_kind(local, "HorizontalPodAutoscaler") == []
-    for dep in env_deployments(local) + [named(local, "Deployment", "envserve-web")]:
+    for dep in env_deployments(local) + [named(local, "Deployment", n) for n in ("envserve-web", "envserve-judge")]:
         assert dep["spec"].get("replicas") == 1
     built = [d for d in of_kind(local, "Deployment") + of_kind(local, "Job")
              if d["metadata"]["name"].startswith("envserve-")]
@@ -414,6 +415,82 @@ def test_web_facade_reads_the_directory_behind_a_cluster_ip_service(rendered, ov
     assert ports[port["targetPort"]] == int(flags["--port"])
 
 
+def judge_flags(objs) -> dict[str, str]:
+    c = main_container(named(objs, "Deployment", "envserve-judge"))
+    positional, flags = parse_args(c["command"] + c["args"])
+    assert positional == ["envserve", "judge"]
+    return flags
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_judge_reads_the_directory_probes_grpc_health_and_exports_metrics(rendered, overlay):
+    objs = rendered[overlay]
+    judge = named(objs, "Deployment", "envserve-judge")
+    c, flags = main_container(judge), judge_flags(objs)
+    assert flags["--host"] == "0.0.0.0" and flags["--metrics-host"] == "0.0.0.0"
+    replica = env_value(main_container(env_deployments(objs)[0]), "ENVSERVE_DIRECTORY")["value"]
+    assert flags["--directory"] == replica, "the judge must read the directory the replicas register in"
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports["grpc"] == int(flags["--port"]) and ports["metrics"] == int(flags["--metrics-port"])
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"]["port"] == ports["grpc"], probe
+    ready = c["readinessProbe"]
+    assert ready.get("periodSeconds", 10) * ready.get("failureThreshold", 3) <= 15
+    ann = judge["spec"]["template"]["metadata"]["annotations"]
+    assert ann["prometheus.io/scrape"] == "true" and int(ann["prometheus.io/port"]) == ports["metrics"]
+    # The repetition penalty counts in the process: one pod, and no autoscaler to add a second.
+    assert judge["spec"]["replicas"] == 1
+    assert not [h for h in of_kind(objs, "HorizontalPodAutoscaler")
+                if h["spec"]["scaleTargetRef"]["name"] == "envserve-judge"]
+    assert GPU not in c["resources"].get("limits", {})
+    svc = named(objs, "Service", "envserve-judge")
+    assert svc["spec"].get("type", "ClusterIP") == "ClusterIP" and svc["spec"].get("clusterIP") != "None"
+    assert selects(svc["spec"]["selector"], judge["spec"]["template"]["metadata"]["labels"])
+    by_name = {p["name"]: p for p in svc["spec"]["ports"]}
+    assert ports[by_name["grpc"]["targetPort"]] == by_name["grpc"]["port"] == int(flags["--port"])
+    # Tokens and the LLM endpoint are opt-in: a missing Secret or ConfigMap must not keep it from starting.
+    for e in env_list(c):
+        ref = e.get("valueFrom", {})
+        ref = ref.get("secretKeyRef") or ref.get("configMapKeyRef")
+        if ref:
+            assert ref["optional"] is True, e["name"]
+    assert env_value(c, "ENVSERVE_STATE_TOKEN")["valueFrom"]["secretKeyRef"]["key"] == "state-tokens"
+
+
+def test_judge_environment_names_are_ones_the_cli_reads():
+    """A misspelt variable is valid YAML and a valid manifest, and silently does nothing."""
+    from envserve import cli
+    source = Path(cli.__file__).read_text()
+    judge = yaml.safe_load_all((K8S / "base" / "judge.yaml").read_text())
+    c = main_container(next(d for d in judge if d["kind"] == "Deployment"))
+    names = [e["name"] for e in env_list(c) if e["name"].startswith("ENVSERVE_")]
+    assert names
+    for name in names:
+        assert f'"{name}"' in source, f"envserve judge does not read {name}"
+
+
+def test_judge_command_line_runs_against_a_directory(rendered):
+    """The Deployment's flags, loopback and free ports instead of the pod's, Redis on loopback."""
+    import urllib.request
+
+    from serverproc import JudgeProcess, RedisProcess
+
+    try:
+        redis = RedisProcess()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    flags = judge_flags(rendered["gpu-cluster"])
+    pod_only = {"--host", "--port", "--metrics-port", "--metrics-host", "--directory"}
+    extra = [f"{k}={v}" for k, v in flags.items() if k not in pod_only]
+    try:
+        with JudgeProcess(directory=redis.url, extra=extra, metrics=True) as judge:
+            with urllib.request.urlopen(f"http://127.0.0.1:{judge.metrics_port}/metrics", timeout=5) as r:
+                assert b"envserve_judge" in r.read()
+            assert judge.terminate(timeout=30) == 0
+    finally:
+        redis.stop()
+
+
 def test_tls_component_swaps_the_plaintext_grpc_probes(tmp_path):
     """The kubelet's grpc probe cannot speak TLS, so with TLS on the probes must use envserve health."""
     rel = os.path.relpath(K8S, tmp_path)
@@ -439,6 +516,18 @@ def test_tls_component_swaps_the_plaintext_grpc_probes(tmp_path):
     web = main_container(named(objs, "Deployment", "envserve-web"))
     web_mounts = {m["name"]: m["mountPath"] for m in web["volumeMounts"]}
     assert parse_args(web["args"])[1]["--tls-ca"] == f"{web_mounts['tls']}/ca.crt"
+    # The judge serves TLS like a replica and trusts the replicas' CA for its ground truth.
+    judge = main_container(named(objs, "Deployment", "envserve-judge"))
+    judge_mounts = {m["name"]: m["mountPath"] for m in judge["volumeMounts"]}
+    assert judge_flags(objs)["--env-tls-ca"] == f"{judge_mounts['tls']}/ca.crt"
+    for var in ("ENVSERVE_TLS_CERT", "ENVSERVE_TLS_KEY"):
+        assert env_value(judge, var)["value"].startswith(judge_mounts["tls"] + "/")
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert "grpc" not in judge[probe]
+        positional, flags = parse_args(judge[probe]["exec"]["command"])
+        assert positional == ["envserve", "health"]
+        assert flags["--tls-ca"].startswith(judge_mounts["tls"] + "/")
+        assert flags["--address"].endswith(":" + judge_flags(objs)["--port"])
 
     # Run the readiness probe's command, as written, against a replica started with the component's
     # environment (certificate files at the mount path moved to a temp dir).
@@ -575,27 +664,30 @@ def test_local_overlay_runs_in_podman_with_a_read_only_root_and_registers_in_red
         pytest.skip("podman is not installed")
     images = {"localhost/envserve-grid:latest": "localhost/envserve-grid:latest",
               "localhost/envserve-web:latest": "localhost/envserve-web:latest",
+              "localhost/envserve-judge:latest": "localhost/envserve-judge:latest",
               "docker.io/library/redis:7.2": "localhost/envserve-redis:latest"}
     for image in set(images.values()):
         if _podman("image", "exists", image, check=False).returncode != 0:
-            pytest.skip(f"{image} is not built (deploy/build-images.sh grid web redis)")
+            pytest.skip(f"{image} is not built (deploy/build-images.sh grid web judge redis)")
     objs = rendered["local"]
     suffix = f"k8ssmoke{os.getpid()}"
     redis_pod = _as_podman_pod(named(objs, "Deployment", "redis"), suffix, images)
     grid_pod = _as_podman_pod(named(objs, "Deployment", "envserve-grid"), suffix, images)
     web_pod = _as_podman_pod(named(objs, "Deployment", "envserve-web"), suffix, images)
+    judge_pod = _as_podman_pod(named(objs, "Deployment", "envserve-judge"), suffix, images)
     redis_host, grid_host = redis_pod["metadata"]["name"], grid_pod["metadata"]["name"]
-    # The Service name "redis" -> the podman pod's name, in the replica's env and the facade's args.
+    # The Service name "redis" -> the podman pod's name, in the replica's env, the facade's and judge's args.
     to_pod = lambda s: re.sub(r"redis://redis:", f"redis://{redis_host}:", s)  # noqa: E731
     for e in main_container(grid_pod)["env"]:
         if e["name"] == "ENVSERVE_DIRECTORY":
             e["value"] = to_pod(e["value"])
-    main_container(web_pod)["args"] = [to_pod(a) for a in main_container(web_pod)["args"]]
+    for pod in (web_pod, judge_pod):
+        main_container(pod)["args"] = [to_pod(a) for a in main_container(pod)["args"]]
     play = tmp_path / "play.yaml"
-    play.write_text(yaml.safe_dump_all([redis_pod, grid_pod, web_pod]))
+    play.write_text(yaml.safe_dump_all([redis_pod, grid_pod, web_pod, judge_pod]))
     network = f"envserve-{suffix}"
-    grid, redis, web = (f"{p['metadata']['name']}-{main_container(p)['name']}"
-                        for p in (grid_pod, redis_pod, web_pod))
+    grid, redis, web, judge = (f"{p['metadata']['name']}-{main_container(p)['name']}"
+                               for p in (grid_pod, redis_pod, web_pod, judge_pod))
     _podman("network", "create", network)
     try:
         _podman("kube", "play", "--network", network, str(play))
@@ -623,6 +715,13 @@ def test_local_overlay_runs_in_podman_with_a_read_only_root_and_registers_in_red
         listed = yaml.safe_load(_podman("exec", web, "python3", "-c", get, "/v1/envs").stdout)
         grid_envs = parse_args(main_container(grid_pod)["args"])[0][1:]
         assert {e["envId"] for e in listed["envs"]} == set(grid_envs), listed
+        # The judge starts under the same restrictions and serves its health on its own port.
+        judge_port = parse_args(main_container(judge_pod)["args"])[1]["--port"]
+        while _podman("exec", judge, "envserve", "health", "--address", f"127.0.0.1:{judge_port}",
+                      check=False).returncode != 0:
+            assert time.time() < deadline, _podman("logs", judge, check=False).stdout
+            time.sleep(0.5)
+        assert _podman("exec", judge, "id", "-u").stdout.strip() == "10001"
         # SIGTERM: drain, deregister, exit 0 well inside the grace period.
         grace = str(pod_spec(grid_pod)["terminationGracePeriodSeconds"])
         _podman("stop", "-t", grace, grid)
