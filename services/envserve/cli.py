@@ -147,8 +147,10 @@ def cmd_judge(args) -> int:
     for key, value in (("base_url", args.llm_base_url), ("model", args.llm_model), ("mode", args.llm_mode)):
         if value:
             llm[key] = value
-    state_token = (read_tokens(args.state_token_file) or ("",))[0] if args.state_token_file else \
-        os.environ.get("ENVSERVE_STATE_TOKEN", "")
+    # The first token of the file or of the variable (a Secret may hold a comma-separated list).
+    state_token = (read_tokens(args.state_token_file,
+                               "" if args.state_token_file else os.environ.get("ENVSERVE_STATE_TOKEN", ""))
+                   or ("",))[0]
     try:
         config = JudgeServerConfig(
             host=args.host, port=args.port, env_address=args.env_address,

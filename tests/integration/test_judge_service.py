@@ -213,7 +213,8 @@ def test_tokens_for_callers_and_for_ground_truth():
     play, truth, judge_token = "play-token", "truth-token", "judge-token"
     with ServerProcess(["sokoban"], workers=1, metrics=False,
                        env_vars={"ENVSERVE_TOKENS": play, "ENVSERVE_STATE_TOKENS": truth}) as s, \
-            JudgeProcess(s.address, env_vars={"ENVSERVE_STATE_TOKEN": truth, "ENVSERVE_JUDGE_TOKENS": judge_token}) as j, \
+            JudgeProcess(s.address, env_vars={"ENVSERVE_STATE_TOKEN": f"{truth},spare-token",  # the first is used
+                                               "ENVSERVE_JUDGE_TOKENS": judge_token}) as j, \
             JudgeProcess(s.address) as blind:
         with EnvClient(s.address, token=play) as c:
             sid = opened(c, "sokoban", 3)

@@ -69,7 +69,11 @@ class JudgeServerConfig:
         """The settings file as a dict (JSON, or YAML when PyYAML is installed)."""
         text = Path(path).read_text()
         if path.endswith((".yaml", ".yml")):
-            import yaml  # only for YAML files
+            try:
+                import yaml  # only for YAML files
+            except ImportError:
+                raise ValueError(f"{path}: YAML settings need PyYAML (pip install pyyaml); "
+                                 "or write them as JSON") from None
             data = yaml.safe_load(text) or {}
         else:
             data = json.loads(text or "{}")
