@@ -278,9 +278,28 @@ def test_learned_metrics_need_local_weights(client, tmp_path):
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and f"{key}_model_path" in str(e.value)
         with pytest.raises(EnvServeError) as e:
             client.open("svg", 1, {f"{key}_weight": 1.0, f"{key}_model_path": str(tmp_path)})
-        # Here neither transformers nor dreamsim (nor any weights) is installed.
+        # An empty folder: no DINOv2 weights to load; dreamsim is not installed here.
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
-        assert ("transformers" in str(e.value)) if key == "dino" else ("dreamsim" in str(e.value))
+        assert ("cannot load a DINOv2 model" in str(e.value)) if key == "dino" else ("dreamsim" in str(e.value))
+
+
+def test_dino_metric_from_a_local_model(client, tmp_path):
+    """The DINO similarity with a tiny random-weight DINOv2 built here (no hub): identical images
+    score 1 on it, and it joins the reported metrics."""
+    pytest.importorskip("transformers")
+    from transformers import BitImageProcessor, Dinov2Config, Dinov2Model
+    import torch
+    torch.manual_seed(0)
+    Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                             image_size=56, patch_size=14)).save_pretrained(tmp_path)
+    BitImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}).save_pretrained(tmp_path)
+    sid = client.open("svg", 1, {"dino_weight": 1.0, "dino_model_path": str(tmp_path)}, "no_think")[0]
+    client.reset([sid], seeds=[0])
+    truth = state_dict(client.get_state(sid))
+    r = client.step_one(sid, answer(truth["target_svg"]))
+    assert r.action_valid and set(r.reward_components) == {"ssim", "edge", "pixel", "dino", "format"}
+    assert r.info["metrics"]["dino"] == pytest.approx(1.0, abs=1e-5) and r.info["score"] == pytest.approx(1.0)
+    client.close_sessions([sid])
 
 
 def test_bad_config_values_are_invalid_argument(client):
