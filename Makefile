@@ -21,13 +21,14 @@ endif
 
 .PHONY: run test install wheels proto bench bench-visual bench-judge clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml trainer/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(MAKE) --no-print-directory wheels
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q --find-links $(WHEELHOUSE) \
 	  -e ".[grid,gym,scienceworld,alfworld,svg,navigation,maniskill,directory,web,containers,judge,dev]"
+	$(PIP) install -q -e "trainer[hf]"
 	touch $@
 
 # Builds each source-only wheel once; a wheel already in the wheelhouse is not rebuilt.

@@ -1,0 +1,124 @@
+"""Defaults of the advantage estimators and of the RLVMR rewards, each with where it comes from.
+
+Every number a paper fixes lives here, so that code never carries one as a literal; a trainer builds
+these from its YAML/CLI with `from_mapping`, which refuses unknown keys and wrong types.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, TypeVar
+
+_C = TypeVar("_C")
+
+
+def _from_mapping(cls: type[_C], data: Mapping[str, Any] | None) -> _C:
+    data = dict(data or {})
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown keys {unknown}; known: {sorted(names)}")
+    out = {}
+    for key, value in data.items():
+        default = getattr(cls, key, None)
+        # bool is an int subclass: keep the two apart so a typo'd flag is not read as a number.
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ValueError(f"{cls.__name__}.{key} must be a bool, got {value!r}")
+        elif isinstance(default, (int, float)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{cls.__name__}.{key} must be a number, got {value!r}")
+            value = type(default)(value) if isinstance(default, float) else value
+        out[key] = value
+    return cls(**out)
+
+
+def _unit(name: str, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value}")
+
+
+@dataclass(frozen=True)
+class AdvantageConfig:
+    # -- group normalisation (GRPO, GiGPO, GRPO-MR, LaMer) -------------------------------------
+    # A = (R - mean) / (std + eps). eps 1e-6 as in verl's GRPO, which GiGPO and RLVMR build on.
+    eps: float = 1e-6
+    # Divide by the group std (GRPO, DeepSeekMath). False gives Dr.GRPO's mean-only form
+    # (Liu et al. 2025), the "mean_norm" mode of verl-agent.
+    scale_by_std: bool = True
+    # 1: sample std (Bessel), what torch.std computes in verl/verl-agent/RLVMR; 0: population std.
+    std_ddof: int = 1
+
+    # -- GiGPO (Feng et al. 2025) ----------------------------------------------------------------
+    # A = A_episode + omega * A_step; the step return is discounted by gamma. Paper defaults.
+    gigpo_omega: float = 1.0
+    gigpo_gamma: float = 0.95
+
+    # -- GRPO-MR (RLVMR, Zhang et al. 2025) -------------------------------------------------------
+    # A = A_outcome + alpha * A_meta. 0.5 is `step_advantage_w` in RLVMR's released trainer config
+    # (its ALFWorld script overrides it to 1.0); it weights the meta term only, not a convex mix.
+    rlvmr_alpha: float = 0.5
+
+    # -- LaMer (Jiang et al. 2025) -----------------------------------------------------------------
+    # G_t^(n) = g_t^(n) + sum_{m>n} gamma_traj^(m-n) g_0^(m). gamma_traj = 0.6 is the paper's value;
+    # the in-episode gamma_step 0.95 is the released LaMer scripts' `step_gamma`.
+    lamer_gamma_traj: float = 0.6
+    lamer_gamma_step: float = 0.95
+
+    # -- token-level GAE over action tokens (PPO) --------------------------------------------------
+    # gamma 1.0 because a token is not a time step worth discounting; lam 0.95 (Schulman et al. 2016).
+    gae_gamma: float = 1.0
+    gae_lam: float = 0.95
+
+    # -- VAGEN bi-level GAE (Wang et al. 2025) -----------------------------------------------------
+    # Turn level discounts across turns; token level stays undiscounted inside a turn. VAGEN's code
+    # uses a `high_level_gamma` of 0.95 with one lambda for both levels; the per-level lambdas here
+    # (turn 0.95, token 1.0) are this project's reading, not a number the paper pins down.
+    gamma_turn: float = 0.95
+    lambda_turn: float = 0.95
+    gamma_token: float = 1.0
+    lambda_token: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.eps < 0:
+            raise ValueError(f"eps must not be negative, got {self.eps}")
+        if self.std_ddof not in (0, 1):
+            raise ValueError(f"std_ddof must be 0 (population) or 1 (sample), got {self.std_ddof}")
+        for name in ("gigpo_gamma", "lamer_gamma_traj", "lamer_gamma_step", "gae_gamma", "gae_lam",
+                     "gamma_turn", "lambda_turn", "gamma_token", "lambda_token"):
+            _unit(name, getattr(self, name))
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any] | None) -> "AdvantageConfig":
+        return _from_mapping(cls, data)
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    # -- RLVMR meta-reasoning rewards (Zhang et al. 2025) ------------------------------------------
+    # Outcome reward on success: 10, the ALFWorld success reward of verl-agent, which RLVMR trains on.
+    r_success: float = 10.0
+    # Per-tag rewards: 1.0 each in RLVMR's released config (planning/exploration/reflection_reward).
+    r_plan: float = 1.0
+    r_explore: float = 1.0
+    r_reflect: float = 1.0
+    # RLVMR gives <monitor> no verifiable rule of its own (its code rewards only the other three).
+    r_monitor: float = 0.0
+    # A step whose output did not parse: RLVMR's format penalty.
+    r_format: float = -0.1
+    # Planning reward r_plan * plan_decay**k, k = later planning steps in the trajectory, so the
+    # plan that was followed to success earns most. RLVMR's code does not decay (1.0); 0.95 is this
+    # project's choice, matching the step discount used elsewhere.
+    plan_decay: float = 0.95
+
+    # -- judged reasoning reward (VAGEN) -------------------------------------------------------------
+    # r_reason = beta_g * grounding + beta_w * world_modeling, the same weights as envserve's judge.
+    beta_grounding: float = 0.5
+    beta_world_modeling: float = 0.5
+
+    def __post_init__(self) -> None:
+        _unit("plan_decay", self.plan_decay)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any] | None) -> "RewardConfig":
+        return _from_mapping(cls, data)
