@@ -1,0 +1,12 @@
+"""Policy backends: what samples the agent's turns. `hf` (transformers in process) loads torch only
+when asked for."""
+from .base import FINISH_LENGTH, FINISH_STOP, Generation, Policy
+
+__all__ = ["Policy", "Generation", "FINISH_STOP", "FINISH_LENGTH", "HFPolicy", "sequence_logprobs"]
+
+
+def __getattr__(name):
+    if name in ("HFPolicy", "sequence_logprobs"):
+        from . import hf
+        return getattr(hf, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
