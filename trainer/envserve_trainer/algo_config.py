@@ -5,32 +5,16 @@ these from its YAML/CLI with `from_mapping`, which refuses unknown keys and wron
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, TypeVar
+
+from envserve.core.settings import typed_fields
 
 _C = TypeVar("_C")
 
 
 def _from_mapping(cls: type[_C], data: Mapping[str, Any] | None) -> _C:
-    data = dict(data or {})
-    names = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        raise ValueError(f"{cls.__name__}: unknown keys {unknown}; known: {sorted(names)}")
-    out = {}
-    for key, value in data.items():
-        default = getattr(cls, key, None)
-        # bool is an int subclass: keep the two apart so a typo'd flag is not read as a number.
-        if isinstance(default, bool):
-            if not isinstance(value, bool):
-                raise ValueError(f"{cls.__name__}.{key} must be a bool, got {value!r}")
-        elif isinstance(default, (int, float)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{cls.__name__}.{key} must be a number, got {value!r}")
-            value = type(default)(value) if isinstance(default, float) else value
-        out[key] = value
-    return cls(**out)
+    return cls(**typed_fields(cls, data, cls.__name__))
 
 
 def _unit(name: str, value: float) -> None:

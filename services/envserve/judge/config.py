@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from envserve.core.settings import typed_fields
+
 
 @dataclass(frozen=True)
 class JudgeConfig:
@@ -49,27 +51,3 @@ class JudgeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def typed_fields(cls, values: Mapping[str, Any] | None, what: str) -> dict[str, Any]:
-    """`values` checked against the fields of dataclass `cls`: known keys only, each of its
-    default's type (strings stay strings, integers must be whole, booleans are not numbers)."""
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for key, value in (values or {}).items():
-        if key not in known:
-            raise ValueError(f"unknown {what} key {key!r}; known: {sorted(known)}")
-        default = known[key].default
-        if isinstance(default, str):
-            if not isinstance(value, str):
-                raise ValueError(f"{what} {key!r} must be a string, got {value!r}")
-        elif isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{what} {key!r} must be a number, got {value!r}")
-        elif isinstance(default, int):
-            if int(value) != value:
-                raise ValueError(f"{what} {key!r} must be an integer, got {value!r}")
-            value = int(value)
-        else:
-            value = float(value)
-        kwargs[key] = value
-    return kwargs

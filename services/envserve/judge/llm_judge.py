@@ -49,7 +49,9 @@ from typing import Any, Mapping
 import httpx
 
 from .base import JudgeError, JudgeInput, Judgment
-from .config import JudgeConfig, typed_fields
+from envserve.core.settings import typed_fields
+
+from .config import JudgeConfig
 from .prompts import (Prompt, claim_family, claims_from_atoms, prompt_family, structured_prompt,
                       yesno_prompt)
 from .rule_judge import FIELDS, WORLD_MODELING, RuleJudge, _truth_parts

@@ -13,8 +13,8 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Mapping, Protocol
 
 import grpc
 from google.protobuf import json_format
@@ -124,7 +124,6 @@ class _Prepared:
     truth_turn: int = 0
     anchor: str = ""
     error: pb.JudgeResult | None = None
-    extra: dict = field(default_factory=dict)
 
 
 class JudgeCore:
@@ -216,23 +215,18 @@ class JudgeCore:
                                  f"so it earns {self.config.repetition_penalty:g}.")
         return result
 
-    async def judge_batch(self, items) -> "asyncio.Queue[pb.JudgeResult | None]":
-        """Starts a batch; results arrive on the returned queue as they finish, then None."""
-        out: asyncio.Queue = asyncio.Queue()
+    async def judge_batch(self, items) -> AsyncIterator[pb.JudgeResult]:
+        """Scores a batch, yielding each result as it finishes. Closing the iterator early (the
+        caller went away) cancels what is still being scored."""
         prepared = await asyncio.gather(*(self.prepare(it) for it in items))
         self.observe(prepared)
-
-        async def one(p):
-            await out.put(await self.score(p))
-
-        async def all_then_end():
-            try:
-                await asyncio.gather(*(one(p) for p in prepared))
-            finally:
-                await out.put(None)
-
-        out.task = asyncio.get_running_loop().create_task(all_then_end())  # type: ignore[attr-defined]
-        return out
+        pending = [asyncio.ensure_future(self.score(p)) for p in prepared]
+        try:
+            for done in asyncio.as_completed(pending):
+                yield await done
+        finally:
+            for task in pending:
+                task.cancel()
 
 
 def _tracker_key(p: _Prepared) -> str:
@@ -263,15 +257,8 @@ class JudgeServicer(pb_grpc.JudgeServiceServicer):
 
     async def Judge(self, request, context):
         await self._check(context)
-        queue = await self.core.judge_batch(request.items)
-        try:
-            while True:
-                result = await queue.get()
-                if result is None:
-                    return
-                yield result
-        finally:
-            queue.task.cancel()  # the caller went away: stop scoring what nobody will read
+        async for result in self.core.judge_batch(request.items):
+            yield result
 
     async def GetJudgeInfo(self, request, context):
         await self._check(context)
