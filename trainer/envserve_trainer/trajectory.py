@@ -13,7 +13,7 @@ from typing import Any
 @dataclass
 class Turn:
     """One policy call and the env step it drove."""
-    turn: int                      # the env's turn index within its episode (StepResult.turn)
+    turn: int                      # the env's turn index of the observation this turn answered
     prompt_ids: list[int]          # the context the policy saw
     completion_ids: list[int]      # what it produced (ends with the stop token when it stopped)
     logprobs: list[float]          # behaviour log-probabilities of completion_ids
@@ -49,6 +49,8 @@ class Episode:
     sample: int                    # which of the group's K samples (trials) this episode belongs to
     episode: int                   # index within its trial (0 for single-episode training)
     session_id: str = ""
+    env_episode: int = 0           # the session's own episode and trial counters (StepResult), which
+    env_trial: int = 0             # with turn address the judge's and GetState's reads
     turns: list[Turn] = field(default_factory=list)
     reflection: str = ""           # LaMer: the remark written after this episode, if any
     reflection_ids: tuple[list[int], list[int], list[float]] | None = None  # its (prompt, completion, logprobs)

@@ -35,7 +35,16 @@ class AsyncEnvClient:
 
     async def open(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
                    action_format: str = "") -> list[str]:
-        return list((await self._call(self.env.Open, rq.open_request(env_id, count, config, action_format))).session_ids)
+        return (await self.open_with_prompt(env_id, count, config, action_format))[0]
+
+    async def open_with_prompt(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
+                               action_format: str = "") -> tuple[list[str], str]:
+        """(session ids, the system prompt they share: the env's rules plus the answer format)."""
+        r = await self._call(self.env.Open, rq.open_request(env_id, count, config, action_format))
+        return list(r.session_ids), r.system_prompt
+
+    async def get_spec(self, env_id: str) -> pb.EnvSpec:
+        return await self._call(self.env.GetSpec, pb.GetSpecRequest(env_id=env_id))
 
     async def reset(self, session_ids: Sequence[str], seeds=None, task_id: str = "", split: str = "",
                     same_task: bool = False) -> list[pb.StepResult]:

@@ -31,7 +31,19 @@ class AsyncRoutedClient(Router):
 
     async def open(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
                    action_format: str = "") -> list[str]:
+        return (await self.open_with_prompt(env_id, count, config, action_format))[0]
+
+    async def get_spec(self, env_id: str) -> pb.EnvSpec:
+        replicas = await self._refresh(env_id)
+        if not replicas:
+            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"no live replica serves {env_id!r}")
+        return await self.client_for(replicas[0]).get_spec(env_id)
+
+    async def open_with_prompt(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
+                               action_format: str = "") -> tuple[list[str], str]:
+        """(session ids, their system prompt); the replicas of one env give the same prompt."""
         await self._refresh(env_id)
+        prompt = ""
         opened: list[str] = []
         tried: set[str] = set()
         last_error: EnvServeError | None = None
@@ -41,7 +53,7 @@ class AsyncRoutedClient(Router):
                 break
             rids = list(shares)
             replies = await asyncio.gather(
-                *[self.client_for(self._known[rid]).open(env_id, shares[rid], config, action_format)
+                *[self.client_for(self._known[rid]).open_with_prompt(env_id, shares[rid], config, action_format)
                   for rid in rids], return_exceptions=True)
             for rid, reply in zip(rids, replies):
                 if isinstance(reply, EnvServeError) and reply.code in _RETRY_ELSEWHERE:
@@ -51,13 +63,14 @@ class AsyncRoutedClient(Router):
                     await self.close_sessions(opened)
                     raise reply
                 else:
-                    opened.extend(reply)
-                    self._note_opened(rid, len(reply))
+                    ids, prompt = reply
+                    opened.extend(ids)
+                    self._note_opened(rid, len(ids))
         if len(opened) < count:
             await self.close_sessions(opened)
             raise last_error or UnavailableError(
                 grpc.StatusCode.UNAVAILABLE, f"no live replica serving {env_id!r} has room for {count} sessions")
-        return opened
+        return opened, prompt
 
     async def _fan_out(self, items: list, sid_of, call) -> list:
         """call(client, items) -> per-item replies; one replica failing fails only its items."""

@@ -56,12 +56,32 @@ def _pad_id(model, pad_token_id: int | None) -> int:
     return int(cfg.pad_token_id if cfg.pad_token_id is not None else 0)
 
 
+def restrict(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Logits with every token outside `allowed` (a bool mask over the vocabulary) at -inf: a
+    restricted vocabulary, applied identically when sampling and when scoring so the ratio is exact."""
+    if allowed is None:
+        return logits
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
+def vocabulary_mask(allowed_token_ids: Sequence[int] | None, vocab_size: int) -> torch.Tensor | None:
+    if not allowed_token_ids:
+        return None
+    ids = sorted({int(t) for t in allowed_token_ids})
+    if ids[0] < 0 or ids[-1] >= vocab_size:
+        raise ValueError(f"allowed token ids must be in [0, {vocab_size}), got {ids[0]}..{ids[-1]}")
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    mask[ids] = True
+    return mask
+
+
 def sequence_logprobs(model, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
-                      temperature: float = 1.0, pad_token_id: int | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      temperature: float = 1.0, pad_token_id: int | None = None,
+                      allowed: torch.Tensor | None = None, return_entropy: bool = False):
     """Per-token log-probabilities of each completion given its prompt, in one padded forward pass.
 
-    Returns (logprobs, mask), both [B, C] with C the longest completion: logprobs[i, j] is
+    Returns (logprobs, mask) (and the per-token entropy with return_entropy), [B, C] with C the
+    longest completion; `allowed` restricts the vocabulary as generation did. logprobs[i, j] is
     log p(completion_ids[i][j] | prompt, earlier completion tokens) under softmax(logits / temperature),
     0 where mask is False (past the end of row i). Gradients flow (call under torch.no_grad() for
     reference or old-policy scores). Prompts are left-padded and completions right-padded after them,
@@ -76,7 +96,8 @@ def sequence_logprobs(model, prompt_ids: Sequence[Sequence[int]], completion_ids
     device = _device(model)
     batch, width = len(prompt_ids), max(len(c) for c in completion_ids) if completion_ids else 0
     if width == 0:
-        return torch.zeros((batch, 0), device=device), torch.zeros((batch, 0), dtype=torch.bool, device=device)
+        empty = (torch.zeros((batch, 0), device=device), torch.zeros((batch, 0), dtype=torch.bool, device=device))
+        return empty + (torch.zeros((batch, 0), device=device),) if return_entropy else empty
     pad = _pad_id(model, pad_token_id)
     prompt, prompt_mask = left_pad(prompt_ids, pad)
     completion = torch.full((batch, width), pad, dtype=torch.long)
@@ -94,10 +115,16 @@ def sequence_logprobs(model, prompt_ids: Sequence[Sequence[int]], completion_ids
     logits = out.logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature
+    logits = restrict(logits, allowed)
     targets = ids[:, -width:]
-    logp = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    all_logp = torch.log_softmax(logits, -1)
+    logp = all_logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     keep = completion_mask.to(device).bool()
-    return logp.masked_fill(~keep, 0.0), keep
+    if not return_entropy:
+        return logp.masked_fill(~keep, 0.0), keep
+    p = all_logp.exp()
+    entropy = -(p * all_logp.masked_fill(p == 0, 0.0)).sum(-1)
+    return logp.masked_fill(~keep, 0.0), keep, entropy.masked_fill(~keep, 0.0)
 
 
 # -- sampling -----------------------------------------------------------------------------------------
@@ -137,10 +164,13 @@ class HFPolicy:
     back, and needs no weight reload then.
     """
 
-    def __init__(self, model, tokenizer, device: str | torch.device | None = None):
+    def __init__(self, model, tokenizer, device: str | torch.device | None = None,
+                 allowed_token_ids: Sequence[int] | None = None):
         self.model = model.to(device) if device is not None else model
         self.tokenizer = tokenizer
         self.device = _device(self.model)
+        # A restricted vocabulary (None: all tokens); the trainer scores with the same mask.
+        self.allowed = vocabulary_mask(allowed_token_ids, int(self.model.config.vocab_size))
         self.eos_token_id = int(tokenizer.eos_token_id)
         self.pad_token_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_id)
 
@@ -161,8 +191,12 @@ class HFPolicy:
 
     @torch.no_grad()
     def generate_from_ids(self, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
-                          top_p: float = 1.0, seed: int | None = None) -> list[Generation]:
+                          top_p: float = 1.0, seed: int | None = None,
+                          row_seeds: Sequence[int] | None = None) -> list[Generation]:
         """Like generate, from token ids (a multi-turn rollout keeps its exact ids this way).
+
+        `row_seeds` gives each row its own seed, so a row's completion does not depend on which
+        other rows share its batch (a rollout batches whichever sessions are ready).
 
         temperature <= 0 decodes greedily; the log-probabilities returned then are the model's own
         (temperature 1), since those of the greedy policy itself would all be 0.
@@ -177,8 +211,13 @@ class HFPolicy:
         batch = len(prompt_ids)
         if batch == 0:
             return []
-        base_seed = secrets.randbits(63) if seed is None else int(seed)
-        seeds = [row_seed(base_seed, i) for i in range(batch)]
+        if row_seeds is not None:
+            if len(row_seeds) != batch:
+                raise ValueError(f"{batch} prompts but {len(row_seeds)} row seeds")
+            seeds = [int(s) for s in row_seeds]
+        else:
+            base_seed = secrets.randbits(63) if seed is None else int(seed)
+            seeds = [row_seed(base_seed, i) for i in range(batch)]
         generators = [torch.Generator().manual_seed(s) for s in seeds]
         tokens: list[list[int]] = [[] for _ in range(batch)]
         logps: list[list[float]] = [[] for _ in range(batch)]
@@ -194,7 +233,8 @@ class HFPolicy:
             next_pos = pos[:, -1:] + 1
             for step in range(max_new_tokens):
                 active = [i for i in range(batch) if finish[i] is None]
-                chosen = self._choose(out.logits[:, -1].float(), temperature, top_p, generators, active)
+                chosen = self._choose(restrict(out.logits[:, -1].float(), self.allowed), temperature, top_p,
+                                      generators, active)
                 for i, (token, lp) in chosen.items():
                     tokens[i].append(token)
                     logps[i].append(lp)

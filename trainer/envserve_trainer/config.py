@@ -1,0 +1,220 @@
+"""The trainer's settings: one YAML/JSON file with a section per concern, each a frozen dataclass.
+
+Sections: env (what to train on), rollout (how episodes are collected), algo (estimator, rewards),
+update (the optimisation step), model (policy and backend), run (iterations, checkpoints, eval).
+Unknown keys and wrong types are refused, so a typo never silently trains with a default.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from envserve.core.settings import typed_fields
+
+from .algo_config import AdvantageConfig, RewardConfig
+
+ESTIMATORS = ("grpo", "gigpo", "grpo_mr", "lamer", "gae", "bilevel_gae")
+TEMPLATES = ("chat", "rlvmr", "vagen")
+MEMORY_MODES = ("trajectories", "reflections", "both")
+BACKENDS = ("hf", "vllm", "openai")
+
+
+def _typed(cls, data: Mapping[str, Any] | None, what: str, lists: tuple[str, ...] = (), maps: tuple[str, ...] = ()):
+    data = dict(data or {})
+    loose = {k: data.pop(k) for k in list(data) if k in lists + maps}
+    kwargs = typed_fields(cls, data, what)
+    for k, v in loose.items():
+        if k in lists:
+            if not isinstance(v, (list, tuple)):
+                raise ValueError(f"{what} {k!r} must be a list, got {v!r}")
+            kwargs[k] = tuple(v)
+        else:
+            if not isinstance(v, Mapping):
+                raise ValueError(f"{what} {k!r} must be a mapping, got {v!r}")
+            kwargs[k] = dict(v)
+    return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class EnvSection:
+    env_id: str = "frozenlake"
+    # Session config passed to Open (e.g. {"size": 4}); env defaults otherwise.
+    env_config: dict = field(default_factory=dict)
+    action_format: str = "no_think"
+    split: str = ""                 # the training split ("" = the env's default)
+    eval_split: str = ""            # the split evaluation reads ("" = the training split)
+    # Task seeds trained on: seed_start, seed_start+1, ... (num_tasks of them), cycled through.
+    seed_start: int = 0
+    num_tasks: int = 8
+    # Held-out seeds for evaluation (eval_seed_start ... + eval_tasks - 1).
+    eval_seed_start: int = 10_000
+    eval_tasks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_tasks < 1:
+            raise ValueError(f"env.num_tasks must be >= 1, got {self.num_tasks}")
+        if self.eval_tasks < 0:
+            raise ValueError(f"env.eval_tasks must be >= 0, got {self.eval_tasks}")
+
+
+@dataclass(frozen=True)
+class RolloutSection:
+    group_size: int = 8             # K trajectories per task (GRPO, GiGPO groups)
+    tasks_per_iteration: int = 4
+    max_turns: int = 0              # 0: the env's own limit ends episodes
+    history_turns: int = 2          # earlier turns kept in the context (the history window)
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    template: str = "chat"          # chat | rlvmr | vagen
+    # Text the assistant turn starts with (in the prompt, not generated) and the only words the
+    # policy may produce (besides its stop token); both empty = free generation.
+    response_prefix: str = ""
+    response_suffix: str = ""       # appended to the completion in the action sent (e.g. "</answer>")
+    allowed_words: tuple = ()
+    # LaMer: episodes per trial (1 = no meta-RL), the reflection between them, and what is remembered.
+    episodes_per_trial: int = 1
+    memory: str = "reflections"     # trajectories | reflections | both
+    reflection_max_new_tokens: int = 64
+    stop_on_success: bool = True    # a trial ends at its first success (LaMer)
+    max_batch: int = 64             # most sessions sent to the policy in one call
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1 or self.tasks_per_iteration < 1:
+            raise ValueError("rollout.group_size and rollout.tasks_per_iteration must be >= 1")
+        if self.template not in TEMPLATES:
+            raise ValueError(f"rollout.template must be one of {TEMPLATES}, got {self.template!r}")
+        if self.memory not in MEMORY_MODES:
+            raise ValueError(f"rollout.memory must be one of {MEMORY_MODES}, got {self.memory!r}")
+        if self.episodes_per_trial < 1:
+            raise ValueError(f"rollout.episodes_per_trial must be >= 1, got {self.episodes_per_trial}")
+        for name in ("max_turns", "history_turns", "max_new_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"rollout.{name} must be >= 0")
+        if self.max_batch < 1:
+            raise ValueError("rollout.max_batch must be >= 1")
+
+
+@dataclass(frozen=True)
+class AlgoSection:
+    estimator: str = "grpo"
+    # Rewards the estimator reads: the env's reward (its components included), plus RLVMR's meta
+    # rewards (grpo_mr) and the judge's reasoning reward (when a judge address is given).
+    use_judge: bool = False
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+
+    def __post_init__(self) -> None:
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"algo.estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.estimator in ("gae", "bilevel_gae")
+
+
+@dataclass(frozen=True)
+class UpdateSection:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    clip_eps: float = 0.2           # PPO's clip range (Schulman et al. 2017)
+    clip_eps_high: float = 0.0      # 0: symmetric; DAPO's clip-higher otherwise
+    kl_coef: float = 0.01           # KL to the frozen reference policy
+    epochs: int = 1                 # passes over each iteration's samples
+    micro_batch_size: int = 16      # samples per forward/backward
+    mini_batch_size: int = 0        # samples per optimizer step (0: all of the iteration's)
+    max_grad_norm: float = 1.0
+    value_coef: float = 0.5         # critic loss weight (gae, bilevel_gae)
+    critic_lr: float = 1e-4
+    strategy: str = "ddp"           # under torchrun: ddp | fsdp
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1 or self.mini_batch_size < 0 or self.epochs < 1:
+            raise ValueError("update.micro_batch_size and update.epochs must be >= 1, mini_batch_size >= 0")
+        if self.strategy not in ("ddp", "fsdp"):
+            raise ValueError(f"update.strategy must be ddp or fsdp, got {self.strategy!r}")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    backend: str = "hf"
+    path: str = ""                  # a save_pretrained directory; "" = build the small model
+    size: str = "tiny"              # the built model's size (model.small_config)
+    seed: int = 0                   # its random init
+    # openai backend: where to send requests (evaluation only; it cannot be trained).
+    base_url: str = ""
+    model_name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"model.backend must be one of {BACKENDS}, got {self.backend!r}")
+
+
+@dataclass(frozen=True)
+class RunSection:
+    iterations: int = 20
+    seed: int = 0
+    checkpoint_every: int = 5
+    keep_checkpoints: int = 2
+    eval_every: int = 0             # 0: no evaluation during training
+    eval_samples: int = 1           # trials per eval task
+    eval_temperature: float = 0.0   # greedy by default
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    env: EnvSection = field(default_factory=EnvSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    algo: AlgoSection = field(default_factory=AlgoSection)
+    update: UpdateSection = field(default_factory=UpdateSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    run: RunSection = field(default_factory=RunSection)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any] | None) -> "TrainConfig":
+        data = dict(data or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown config section(s) {unknown}; known: {sorted(known)}")
+        algo = dict(data.get("algo") or {})
+        advantage = AdvantageConfig.from_mapping(algo.pop("advantage", None))
+        reward = RewardConfig.from_mapping(algo.pop("reward", None))
+        algo_section = typed_fields(AlgoSection, algo, "algo")
+        return cls(
+            env=_typed(EnvSection, data.get("env"), "env", maps=("env_config",)),
+            rollout=_typed(RolloutSection, data.get("rollout"), "rollout", lists=("allowed_words",)),
+            algo=AlgoSection(advantage=advantage, reward=reward, **algo_section),
+            update=_typed(UpdateSection, data.get("update"), "update"),
+            model=_typed(ModelSection, data.get("model"), "model"),
+            run=_typed(RunSection, data.get("run"), "run"),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TrainConfig":
+        path = Path(path)
+        text = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+        if data is not None and not isinstance(data, Mapping):
+            raise ValueError(f"{path}: the config must be a mapping of sections")
+        return cls.from_mapping(data)
+
+    def with_overrides(self, **sections: Mapping[str, Any]) -> "TrainConfig":
+        """A copy with some keys of some sections replaced (the CLI's flags)."""
+        data = self.to_dict()
+        for name, values in sections.items():
+            data.setdefault(name, {}).update({k: v for k, v in values.items() if v is not None})
+        return TrainConfig.from_mapping(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["rollout"]["allowed_words"] = list(self.rollout.allowed_words)
+        return out

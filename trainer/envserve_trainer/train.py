@@ -1,0 +1,290 @@
+"""The training loop: collect over gRPC, score, estimate advantages, update, evaluate, checkpoint.
+
+    for each iteration:
+        tasks   = the next tasks_per_iteration task seeds (cycled), this rank's share of them
+        trials  = K trials per task from the env service (rollout.RolloutEngine)
+        judged  = the judge service's scores on the trials' reasoning (when configured)
+        samples = per-token advantages from the configured estimator (samples.build_samples)
+        update  = clipped policy loss + KL to the reference (learner.Learner)
+        log     = metrics.jsonl (training summary, loss, timings), curves.png, a checkpoint
+
+Everything reaches the environments through envserve.client: one replica by address, or every
+replica of a Redis directory.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from .config import TrainConfig
+from .distributed import Dist
+from .evaluation import MetricsLog, Progress, summarize
+from .learner import Learner, finite, latest_checkpoint
+from .rollout import RolloutEngine, Task
+from .samples import build_samples, usable
+from .trajectory import Trial
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+CURVES_FILE = "curves.png"
+REFERENCE_DIR = "reference"
+
+
+@dataclass
+class Connection:
+    env_address: str = ""
+    directory: str = ""
+    judge_address: str = ""
+    token: str | None = None
+
+    def env_client(self):
+        if self.directory:
+            from envserve.client.aio_routing import AsyncRoutedClient
+            return AsyncRoutedClient(self.directory, token=self.token)
+        if not self.env_address:
+            raise ValueError("give an env address (--env-address) or a directory (--directory)")
+        from envserve.client.aio import AsyncEnvClient
+        return AsyncEnvClient(self.env_address, token=self.token)
+
+    def judge_client(self):
+        if not self.judge_address:
+            return None
+        from envserve.client.judge import AsyncJudgeClient
+        return AsyncJudgeClient(self.judge_address, token=self.token)
+
+
+def allowed_token_ids(tokenizer, words: Sequence[str], max_new_tokens: int = 2) -> list[int] | None:
+    """The token ids a restricted vocabulary allows: each word's tokens, and the stop token unless an
+    answer is a single token (then stopping first would only give an empty answer)."""
+    if not words:
+        return None
+    ids = {int(tokenizer.eos_token_id)} if max_new_tokens != 1 else set()
+    for w in words:
+        ids.update(tokenizer(w, add_special_tokens=False)["input_ids"])
+    return sorted(ids)
+
+
+def build_policy_model(cfg: TrainConfig, device: str):
+    """(model, tokenizer): the configured pretrained model, or the small random-weight one."""
+    from .model import build_small_model, build_tokenizer, load_small
+    if cfg.model.path:
+        model, tok = load_small(cfg.model.path, device)
+        return model, tok
+    tok = build_tokenizer()
+    return build_small_model(tok, cfg.model.size, seed=cfg.model.seed).to(device), tok
+
+
+def task_schedule(cfg: TrainConfig, iteration: int) -> list[Task]:
+    """The iteration's tasks: the training seeds in order, cycling."""
+    env, n = cfg.env, cfg.rollout.tasks_per_iteration
+    start = (iteration * n) % env.num_tasks
+    return [Task(env.seed_start + (start + i) % env.num_tasks, env.split) for i in range(n)]
+
+
+def eval_tasks(cfg: TrainConfig, held_out: bool) -> list[Task]:
+    env = cfg.env
+    split = env.eval_split or env.split
+    if held_out:
+        return [Task(env.eval_seed_start + i, split) for i in range(env.eval_tasks)]
+    return [Task(env.seed_start + i, split) for i in range(env.num_tasks)]
+
+
+async def judge_trials(judge, trials: Sequence[Trial], env_id: str) -> int:
+    """Asks the judge service for grounding and world-modelling scores of every turn that gave them;
+    returns how many items came back scored. A failed item leaves its turn unscored."""
+    from envserve.client.judge import JudgeTask
+    fields = {"observation": "grounding", "prediction": "world_modeling"}
+    items, where = [], {}
+    for trial in trials:
+        for ep in trial.episodes:
+            for t in ep.turns:
+                for reasoning_key, field in fields.items():
+                    text = t.reasoning.get(reasoning_key)
+                    if text:
+                        key = f"{ep.session_id}:{ep.env_trial}:{ep.env_episode}:{t.turn}:{field}"
+                        items.append(JudgeTask(key=key, session_id=ep.session_id, turn=t.turn, field=field,
+                                               text=text, episode=ep.env_episode, env_id=env_id,
+                                               trial=ep.env_trial))
+                        where[key] = (t, field)
+    scored = 0
+    if items:
+        async for r in judge.judge(items):
+            if r.status.code == 0 and r.key in where:
+                turn, field = where[r.key]
+                turn.judge_scores[field] = float(r.score)
+                scored += 1
+    return scored
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, out_dir: str | Path, connection: Connection, device: str = "cpu",
+                 resume: bool = False):
+        self.cfg = cfg
+        self.out = Path(out_dir)
+        self.connection = connection
+        self.dist = Dist.from_env(device)
+        self.device = self.dist.device(device)
+        seed = cfg.run.seed + self.dist.rank
+        random.seed(seed)
+        np.random.seed(seed % (2 ** 32))
+        torch.manual_seed(seed)
+        if cfg.model.backend != "hf":
+            raise ValueError(f"training needs a trainable backend: model.backend {cfg.model.backend!r} only "
+                             f"serves rollouts and evaluation (use hf; vllm rollouts: see README)")
+        model, self.tokenizer = build_policy_model(cfg, self.device)
+        self.allowed_ids = allowed_token_ids(self.tokenizer, cfg.rollout.allowed_words, cfg.rollout.max_new_tokens)
+        from .model import load_small, save_small
+        reference = None
+        if cfg.update.kl_coef > 0:
+            ref_dir = self.out / REFERENCE_DIR
+            # The reference is the starting policy; a resumed run must keep the original one.
+            if resume and ref_dir.exists():
+                reference, _ = load_small(ref_dir, self.device)
+            else:
+                import copy
+                reference = copy.deepcopy(model)
+                if self.dist.is_main:
+                    save_small(ref_dir, reference, self.tokenizer)
+        from .policy.hf import HFPolicy
+        self.learner = Learner(model, self.tokenizer, cfg, self.dist, reference=reference,
+                               allowed=None)
+        self.policy = HFPolicy(self.learner.rollout_model, self.tokenizer, allowed_token_ids=self.allowed_ids)
+        self.learner.allowed = self.policy.allowed
+        self.start_iteration = 0
+        if resume:
+            ckpt = latest_checkpoint(self.out)
+            if ckpt is not None:
+                state = self.learner.load(ckpt)
+                self.start_iteration = int(state["iteration"])
+                log.info("resumed from %s (iteration %d)", ckpt, self.start_iteration)
+        self.metrics = MetricsLog(self.out / METRICS_FILE)
+
+    # -- one iteration -------------------------------------------------------------------------------
+    async def _collect(self, engine: RolloutEngine, judge, tasks: list[Task], group_size: int, iteration: int,
+                       temperature: float | None = None) -> tuple[list[Trial], dict[str, float]]:
+        t0 = time.monotonic()
+        trials = await engine.collect(tasks, group_size, iteration, temperature)
+        timing = {"rollout_s": time.monotonic() - t0}
+        if judge is not None and self.cfg.algo.use_judge:
+            t1 = time.monotonic()
+            timing["judged_items"] = float(await judge_trials(judge, trials, self.cfg.env.env_id))
+            timing["judge_s"] = time.monotonic() - t1
+        return trials, timing
+
+    def evaluate_trials(self, trials: list[Trial]) -> dict[str, Any]:
+        everything = [t for part in self.dist.gather(trials) for t in part]
+        return summarize(everything)
+
+    async def run(self, iterations: int | None = None, max_seconds: float | None = None) -> list[dict[str, Any]]:
+        """Train up to `iterations` (run.iterations by default); with max_seconds, stop after the
+        first iteration that ends past that budget (it is evaluated and checkpointed as the last)."""
+        cfg = self.cfg
+        started = time.monotonic()
+        total = cfg.run.iterations if iterations is None else iterations
+        records: list[dict[str, Any]] = []
+        client = self.connection.env_client()
+        judge = self.connection.judge_client() if cfg.algo.use_judge else None
+        if cfg.algo.use_judge and judge is None:
+            raise ValueError("algo.use_judge is set but no judge address was given (--judge-address)")
+        engine = RolloutEngine(client, self.policy, self.tokenizer, cfg, seed=cfg.run.seed)
+        progress = Progress(total=total - self.start_iteration, desc="train",
+                            enabled=cfg.run.progress and self.dist.is_main)
+        try:
+            for it in range(self.start_iteration, total):
+                t0 = time.monotonic()
+                tasks = self.dist.shard(task_schedule(cfg, it))
+                trials, timing = await self._collect(engine, judge, tasks, cfg.rollout.group_size, it)
+                t1 = time.monotonic()
+                samples = build_samples(trials, cfg, self.learner.values if cfg.algo.needs_critic else None)
+                update = await asyncio.to_thread(self.learner.update, samples, cfg.run.seed * 100_003 + it)
+                timing["update_s"] = time.monotonic() - t1
+                train_summary = self.evaluate_trials(trials)["overall"]
+                dropped = len(trials) - len(usable(trials))
+                record: dict[str, Any] = {"train": train_summary, "update": update, "timing": timing,
+                                          "dropped_trials": dropped}
+                if not finite(update):
+                    raise FloatingPointError(f"iteration {it}: non-finite update metrics {update}")
+                done = it + 1
+                out_of_time = max_seconds is not None and time.monotonic() - started > max_seconds
+                last = done == total or out_of_time
+                if cfg.run.eval_every and (done % cfg.run.eval_every == 0 or last):
+                    record["eval"] = await self.evaluate(engine, done)
+                if cfg.run.checkpoint_every and (done % cfg.run.checkpoint_every == 0 or last):
+                    self.learner.save(self.out, {"config": cfg.to_dict()}, keep=cfg.run.keep_checkpoints)
+                record["timing"]["iteration_s"] = time.monotonic() - t0
+                if self.dist.is_main:
+                    records.append(self.metrics.log(done, **record))
+                progress.update(1, success=train_summary.get("success_rate"), loss=update.get("loss"))
+                if out_of_time:
+                    break
+        finally:
+            progress.close()
+            await engine.close()
+            await client.close()
+            if judge is not None:
+                await judge.close()
+        if self.dist.is_main and records:
+            self.plot()
+        return records
+
+    async def evaluate(self, engine: RolloutEngine, iteration: int) -> dict[str, Any]:
+        """Success and the rest on the training tasks and, if configured, held-out ones."""
+        cfg = self.cfg
+        out = {}
+        for name, held_out in (("train_tasks", False), ("held_out", True)):
+            tasks = self.dist.shard(eval_tasks(cfg, held_out))
+            if not tasks and not held_out:
+                continue
+            if held_out and not cfg.env.eval_tasks:
+                continue
+            trials = await engine.collect(tasks, cfg.run.eval_samples, iteration=10_000_000 + iteration,
+                                          temperature=cfg.run.eval_temperature)
+            out[name] = self.evaluate_trials(trials)
+        return out
+
+    def plot(self) -> Path | None:
+        try:
+            from .curves import plot_curves
+            return plot_curves(self.out / METRICS_FILE, self.out / CURVES_FILE)
+        except ImportError as e:   # matplotlib is the optional `plot` extra
+            log.warning("no training curves PNG: %s", e)
+            return None
+
+    def close(self) -> None:
+        self.policy.close()
+        self.dist.close()
+
+
+async def evaluate_checkpoint(cfg: TrainConfig, checkpoint: str | Path | None, connection: Connection,
+                              device: str = "cpu", policy=None, tokenizer=None) -> dict[str, Any]:
+    """Evaluate a saved policy (or a given one: e.g. the openai backend) on the configured tasks."""
+    if policy is None:
+        from .model import load_small
+        from .policy.hf import HFPolicy
+        model, tokenizer = load_small(Path(checkpoint) / "policy" if (Path(checkpoint) / "policy").exists()
+                                      else checkpoint, device)
+        policy = HFPolicy(model, tokenizer, allowed_token_ids=allowed_token_ids(tokenizer, cfg.rollout.allowed_words,
+                                                                             cfg.rollout.max_new_tokens))
+    client = connection.env_client()
+    engine = RolloutEngine(client, policy, tokenizer, cfg, seed=cfg.run.seed)
+    out: dict[str, Any] = {}
+    try:
+        for name, held_out in (("train_tasks", False), ("held_out", True)):
+            if held_out and not cfg.env.eval_tasks:
+                continue
+            trials = await engine.collect(eval_tasks(cfg, held_out), cfg.run.eval_samples, iteration=-1,
+                                          temperature=cfg.run.eval_temperature)
+            out[name] = summarize(trials)
+    finally:
+        await engine.close()
+        await client.close()
+    return out
