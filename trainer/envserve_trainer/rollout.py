@@ -73,7 +73,11 @@ class _Run:
 
 def _status_error(result) -> str | None:
     code = result.status.code if result.HasField("status") else 0
-    return None if code == 0 else f"{code}: {result.status.message}"
+    if code == 0:
+        return None
+    import grpc
+    name = next((c.name for c in grpc.StatusCode if c.value[0] == code), str(code))
+    return f"{name}: {result.status.message}"
 
 
 def _components(result) -> dict[str, float]:

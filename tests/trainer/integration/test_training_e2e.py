@@ -1,0 +1,156 @@
+"""The trainer against a real envserve server on loopback: GRPO iterations with the small model,
+checkpoints that reload and resume, every estimator for one iteration, and the CLI."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from serverproc import ServerProcess
+
+from envserve_trainer.config import TrainConfig
+from envserve_trainer.learner import checkpoints, latest_checkpoint
+from envserve_trainer.model import load_small, weights_digest
+from envserve_trainer.train import Connection, Trainer
+
+ROOT = Path(__file__).resolve().parents[3]
+
+FROZENLAKE_GRPO = {
+    "env": {"env_id": "frozenlake", "env_config": {"size": 4}, "num_tasks": 2},
+    "rollout": {"group_size": 4, "tasks_per_iteration": 2, "history_turns": 0, "max_new_tokens": 1,
+                "response_prefix": "<answer>", "response_suffix": "</answer>",
+                "allowed_words": ["Left", "Down", "Right", "Up"]},
+    "algo": {"estimator": "grpo"},
+    "update": {"lr": 1e-3, "micro_batch_size": 16},
+    "run": {"iterations": 2, "checkpoint_every": 1, "keep_checkpoints": 2, "progress": False},
+}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess(["frozenlake"], workers=1, metrics=False) as s:
+        yield s
+
+
+def _cfg(**sections) -> TrainConfig:
+    data = json.loads(json.dumps(FROZENLAKE_GRPO))
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    return TrainConfig.from_mapping(data)
+
+
+def test_two_grpo_iterations_learn_save_reload_and_resume(server, tmp_path):
+    cfg = _cfg()
+    trainer = Trainer(cfg, tmp_path, Connection(env_address=server.address))
+    start = weights_digest(trainer.learner.model)
+    try:
+        records = asyncio.run(trainer.run())
+    finally:
+        trainer.close()
+    assert [r["iteration"] for r in records] == [1, 2]
+    for r in records:
+        assert r["update"]["samples"] > 0
+        assert all(torch.isfinite(torch.tensor(v)) for v in r["update"].values())
+        # 2 tasks x 4 samples, each an episode of FrozenLake that ended (hole, goal or the env's 10 turns).
+        assert r["train"]["trials"] == 8 and r["dropped_trials"] == 0
+        assert 1 <= r["train"]["mean_turns"] <= 10
+    trained = weights_digest(trainer.learner.model)
+    assert trained != start, "the update did not change the weights"
+
+    # The newest checkpoint holds exactly the trained weights; the reference is the starting model.
+    ckpt = latest_checkpoint(tmp_path)
+    assert ckpt.name == "checkpoint-2" and [p.name for p in checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-2"]
+    model, _ = load_small(ckpt / "policy")
+    assert weights_digest(model) == trained
+    reference, _ = load_small(tmp_path / "reference")
+    assert weights_digest(reference) == start
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # Resume: starts at iteration 2 with the saved weights and optimizer state, runs the third.
+    resumed = Trainer(_cfg(run={"iterations": 3, "checkpoint_every": 1, "keep_checkpoints": 2, "progress": False}),
+                      tmp_path, Connection(env_address=server.address), resume=True)
+    try:
+        assert resumed.start_iteration == 2
+        assert weights_digest(resumed.learner.model) == trained
+        steps = {int(s["step"]) for s in resumed.learner.optimizer.state_dict()["state"].values()}
+        assert steps == {2}, "the optimizer state (Adam's step count) was not restored"
+        more = asyncio.run(resumed.run())
+    finally:
+        resumed.close()
+    assert [r["iteration"] for r in more] == [3]
+    assert weights_digest(resumed.learner.model) != trained
+    logged = [json.loads(line)["iteration"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3]
+    # keep_checkpoints 2: the oldest was removed.
+    assert [p.name for p in checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-3"]
+
+
+FREE_TEXT = {"max_new_tokens": 12, "allowed_words": [], "response_prefix": "", "response_suffix": "",
+             "history_turns": 1, "max_turns": 3}
+
+
+@pytest.mark.parametrize("estimator,extra_rollout,env", [
+    ("gigpo", {}, {}),
+    ("grpo_mr", {"template": "rlvmr"}, {"action_format": "meta_reasoning"}),
+    ("lamer", {"episodes_per_trial": 2, "memory": "both", "stop_on_success": False,
+               "reflection_max_new_tokens": 8}, {}),
+    ("gae", {}, {}),
+    ("bilevel_gae", {"template": "vagen"}, {"action_format": "grounding_worldmodeling"}),
+])
+def test_each_estimator_runs_an_iteration_against_the_server(server, tmp_path, estimator, extra_rollout, env):
+    cfg = _cfg(algo={"estimator": estimator}, rollout={**FREE_TEXT, **extra_rollout, "group_size": 2},
+               env=env, run={"iterations": 1, "checkpoint_every": 0, "progress": False})
+    trainer = Trainer(cfg, tmp_path, Connection(env_address=server.address))
+    before = weights_digest(trainer.learner.model)
+    try:
+        [record] = asyncio.run(trainer.run())
+    finally:
+        trainer.close()
+    u = record["update"]
+    assert u["samples"] > 0 and all(torch.isfinite(torch.tensor(v)) for v in u.values())
+    if estimator == "grpo_mr" and record["train"]["invalid_action_rate"] == 1.0:
+        # A random model never writes a parsable meta-reasoning answer: every trajectory has the same
+        # outcome return and no tagged step, so every advantage is 0 and so is the gradient.
+        assert u["grad_norm"] == 0.0 and weights_digest(trainer.learner.model) == before
+    else:
+        assert weights_digest(trainer.learner.model) != before
+    assert record["train"]["mean_turns"] <= 3            # the trainer's turn limit
+    if estimator in ("gae", "bilevel_gae"):
+        assert u["value_loss"] >= 0 and trainer.learner.critic is not None
+    if estimator == "lamer":
+        assert record["train"]["episodes"] == 2 * record["train"]["trials"]
+
+
+def test_cli_trains_then_evaluates_a_checkpoint(server, tmp_path):
+    cfg_path = tmp_path / "cfg.json"
+    cfg_path.write_text(json.dumps(FROZENLAKE_GRPO))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "services"), str(ROOT / "trainer")])}
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "envserve_trainer", "train", "--config", str(cfg_path),
+                        "--env-address", server.address, "--output-dir", str(out), "--iterations", "1"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    last = json.loads(r.stdout.strip().splitlines()[-1])
+    assert last["iteration"] == 1 and last["train"]["trials"] == 8
+    r = subprocess.run([sys.executable, "-m", "envserve_trainer", "eval", "--config", str(cfg_path),
+                        "--env-address", server.address, "--checkpoint", str(out / "checkpoint-1"),
+                        "--json", str(tmp_path / "eval.json")], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((tmp_path / "eval.json").read_text())
+    assert summary["train_tasks"]["overall"]["trials"] == 2       # one greedy trial per training map
+    # Refusals are clear and exit non-zero.
+    r = subprocess.run([sys.executable, "-m", "envserve_trainer", "train", "--config", str(cfg_path)],
+                       capture_output=True, text=True, env={**env, "ENVSERVE_ADDRESS": "", "ENVSERVE_DIRECTORY": ""},
+                       timeout=120)
+    assert r.returncode != 0 and "--env-address" in r.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"rollout": {"group_sise": 4}}))
+    r = subprocess.run([sys.executable, "-m", "envserve_trainer", "train", "--config", str(bad),
+                        "--env-address", server.address], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode != 0 and "group_sise" in r.stderr
