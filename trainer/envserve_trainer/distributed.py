@@ -86,7 +86,9 @@ class Dist:
         """Every weight, unsharded, on the CPU (collective under FSDP: all ranks must call it)."""
         if self.strategy == "fsdp":
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-            return get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            # cpu_offload would leave ranks other than 0 empty; every rank needs the weights here.
+            full = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True))
+            return {k: v.detach().cpu() for k, v in full.items()}
         module = getattr(wrapped, "module", wrapped)
         return {k: v.detach().cpu() for k, v in module.state_dict().items()}
 

@@ -154,3 +154,31 @@ def test_cli_trains_then_evaluates_a_checkpoint(server, tmp_path):
     r = subprocess.run([sys.executable, "-m", "envserve_trainer", "train", "--config", str(bad),
                         "--env-address", server.address], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode != 0 and "group_sise" in r.stderr
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_torchrun_two_cpu_processes_train_and_resume(server, tmp_path, strategy):
+    """torchrun with the gloo backend: each rank takes half the task groups; rank 0 logs the
+    summary of both ranks' trials and writes the checkpoint, which a second run resumes."""
+    cfg = json.loads(json.dumps(FROZENLAKE_GRPO))
+    cfg["env"]["num_tasks"] = 4
+    cfg["rollout"].update(group_size=2, tasks_per_iteration=4)
+    cfg["update"]["strategy"] = strategy
+    cfg["run"].update(iterations=1, checkpoint_every=1)
+    cfg_path = tmp_path / "cfg.json"
+    cfg_path.write_text(json.dumps(cfg))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "services"), str(ROOT / "trainer")]),
+           "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "run"
+    base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
+            "-m", "envserve_trainer", "train", "--config", str(cfg_path), "--env-address", server.address,
+            "--output-dir", str(out)]
+    r = subprocess.run(base, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    [record] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert record["train"]["trials"] == 8 and record["train"]["groups"] == 4   # both ranks' halves
+    first = weights_digest(load_small(out / "checkpoint-1" / "policy")[0])
+    r = subprocess.run(base + ["--resume", "--iterations", "2"], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stderr and (out / "checkpoint-2").exists()
+    assert weights_digest(load_small(out / "checkpoint-2" / "policy")[0]) != first
