@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Builds the envserve images (one per environment family, the HTTP facade, the judge) with docker or podman.
-#   deploy/build-images.sh [--engine docker|podman] [--base-image IMAGE] [--tag TAG] [--pip-cert PATH] [IMAGE...]
+# Builds the envserve images (one per environment family, the HTTP facade, the judge, the trainer) with docker or podman.
+#   deploy/build-images.sh [--engine docker|podman] [--base-image IMAGE] [--tag TAG] [--pip-cert PATH]
+#                          [--wheels DIR] [--build-arg KEY=VALUE]... [IMAGE...]
 # IMAGE names a folder of deploy/ with a Dockerfile: grid, web, judge (the default set), redis (a local Redis
-# for machines with no registry). Each is tagged envserve-<name>:<tag>.
+# for machines with no registry), trainer (CPU torch)... Each is tagged envserve-<name>:<tag>. trainer-cuda
+# is deploy/trainer/Dockerfile with CUDA torch and vLLM (envserve-trainer-cuda; needs the network).
+# --wheels DIR: a folder of wheels pip prefers (the trainer's torch), for machines that cannot reach the
+# PyTorch index; with it, --build-arg TORCH_INDEX_URL= (empty: PyPI for the rest).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,9 +14,11 @@ engine=""
 base_image=python:3.11-slim
 tag=latest
 pip_cert=""
+wheels=""
+build_args=()
 images=()
 
-usage() { sed -n '2,5s/^# \{0,1\}//p' "$0"; }
+usage() { sed -n '2,9s/^# \{0,1\}//p' "$0"; }
 
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -20,6 +26,8 @@ while [ $# -gt 0 ]; do
     --base-image) base_image=$2; shift 2 ;;
     --tag) tag=$2; shift 2 ;;
     --pip-cert) pip_cert=$2; shift 2 ;;
+    --wheels) wheels=$2; shift 2 ;;
+    --build-arg) build_args+=(--build-arg "$2"); shift 2 ;;
     -h|--help) usage; exit 0 ;;
     -*) echo "unknown option: $1" >&2; usage >&2; exit 2 ;;
     *) images+=("$1"); shift ;;
@@ -46,11 +54,31 @@ if [ -n "$pip_cert" ]; then
   args+=(--secret "id=pipcert,src=$pip_cert")
 fi
 
+if [ -n "$wheels" ]; then
+  [ -d "$wheels" ] || { echo "--wheels $wheels is not a directory" >&2; exit 1; }
+fi
+
+# The CUDA trainer: vLLM 0.33.0 pins torch==2.14.0 and its kernels are built against PyPI's (CUDA) torch,
+# hence the empty index. docker-compose.gpu.yml passes the same arguments.
+TRAINER_CUDA_ARGS=(--build-arg CUDA=1 --build-arg TORCH_INDEX_URL= --build-arg TORCH_REQUIREMENT=torch==2.14.0
+                   --build-arg TRAINER_EXTRAS=hf,plot,vllm)
+
 for name in "${images[@]}"; do
-  dockerfile=deploy/$name/Dockerfile
+  variant=()
+  case "$name" in
+    trainer-cuda) dockerfile=deploy/trainer/Dockerfile; variant=("${TRAINER_CUDA_ARGS[@]}") ;;
+    *) dockerfile=deploy/$name/Dockerfile ;;
+  esac
   [ -f "$dockerfile" ] || { echo "no $dockerfile" >&2; exit 2; }
+  # Only the trainer's Dockerfile declares the "wheels" stage that this context replaces.
+  context=()
+  if [ -n "$wheels" ] && [ "$dockerfile" = deploy/trainer/Dockerfile ]; then
+    context=(--build-context "wheels=$wheels")
+  fi
   start=$(date +%s)
   echo "== building envserve-$name:$tag from $base_image with $engine"
-  "$engine" build "${args[@]}" -f "$dockerfile" -t "envserve-$name:$tag" .
+  # The caller's --build-arg comes last, so it overrides a variant's.
+  "$engine" build "${args[@]}" "${variant[@]}" "${build_args[@]}" "${context[@]}" -f "$dockerfile" \
+    -t "envserve-$name:$tag" .
   echo "== envserve-$name:$tag built in $(( $(date +%s) - start )) s"
 done

@@ -48,3 +48,11 @@ def built(engine):
     timings: dict[str, float] = {}
     files = build_images(engine, base, "latest", timings)
     return base, files, timings
+
+
+@pytest.fixture(scope="session")
+def trainer_built(engine, built):
+    """The CPU trainer image (envserve-trainer:latest), built once a session like the others."""
+    from stack import build_trainer_image
+    base, _, timings = built
+    return build_trainer_image(engine, base, "latest", timings)

@@ -185,6 +185,29 @@ def build_images(engine: Engine, base: str, tag: str, timings: dict[str, float])
     return files
 
 
+def build_trainer_image(engine: Engine, base: str, tag: str, timings: dict[str, float]) -> str:
+    """envserve-trainer (CPU) with deploy/build-images.sh; returns the image name. On the project's
+    machines (local base) torch comes from the folder of local wheels pip uses there ($ENVSERVE_WHEELS,
+    default /opt/wheels) and the rest from PyPI: the PyTorch index is unreachable, and PyPI's own torch
+    is the several-GB CUDA build."""
+    args = ["--engine", engine.name, "--tag", tag]
+    if base == "local":
+        wheels = Path(os.environ.get("ENVSERVE_WHEELS", "/opt/wheels"))
+        if not any(wheels.glob("torch-*.whl")):
+            raise RuntimeError(f"no torch wheel in {wheels}: set ENVSERVE_WHEELS to a folder holding a CPU torch wheel")
+        args += ["--base-image", LOCAL_BASE, "--wheels", str(wheels), "--build-arg", "TORCH_INDEX_URL="]
+        cert = os.environ.get("ENVSERVE_PIP_CERT", "/etc/ssl/certs/ca-certificates.crt")
+        if os.path.isfile(cert):
+            args += ["--pip-cert", cert]
+    start = time.monotonic()
+    out = subprocess.run(["bash", str(ROOT / "deploy/build-images.sh"), *args, "trainer"], capture_output=True,
+                         text=True, timeout=BUILD_TIMEOUT, env=engine.env)
+    if out.returncode != 0:
+        raise RuntimeError(f"build-images.sh trainer failed:\n{out.stdout[-6000:]}\n{out.stderr[-4000:]}")
+    timings["build_trainer_s"] = time.monotonic() - start
+    return f"envserve-trainer:{tag}"
+
+
 def choose_base() -> str:
     forced = os.environ.get("ENVSERVE_CONTAINER_BASE", "")
     if forced in ("local", "registry"):

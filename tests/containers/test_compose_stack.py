@@ -2,8 +2,9 @@
 deploy scripts, bring the stack up under a unique project name, play a whole episode in every grid
 env through the containers (on each published port, through the Redis directory with the routing
 client, and through the HTTP facade), have the judge score a session it finds through the directory,
-then take the stack down and check with the Docker Engine API (the docker SDK; podman's compatible
-service here) that none of its containers or networks is left.
+run the trainer service for one training iteration against the grid replica, then take the stack down and
+check with the Docker Engine API (the docker SDK; podman's compatible service here) that none of its
+containers, networks or volumes is left.
 
 Readiness is polled here through the gRPC health service on the published ports: compose
 healthchecks never fire under podman without systemd. See stack.py for the engine and base choice.
@@ -16,9 +17,10 @@ import urllib.request
 
 import grpc
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stack import GRID_ENVS, leftovers, new_stack
+from stack import GRID_ENVS, ROOT, leftovers, new_stack
 
 # The timeout only ends a hung run (a stuck mirror, a wedged engine); a fresh machine needs ~3 min.
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(900)]
@@ -155,6 +157,38 @@ def test_judge_scores_a_session_through_the_directory(stack):
     assert result.score == 1.0 and result.judge == "rule", result
 
 
+def trainer_service() -> dict:
+    with open(ROOT / "docker-compose.yml") as f:
+        return yaml.safe_load(f)["services"]["trainer"]
+
+
+def test_trainer_image_runs_the_cli_as_the_envserve_user(engine, trainer_built):
+    helped = engine.run(["run", "--rm", trainer_built, "train", "--help"]).stdout
+    for flag in ("--config", "--directory", "--output-dir", "--iterations", "--resume", "--device"):
+        assert flag in helped, flag
+    # uid 10001 owns the output folder, so a fresh named volume mounted there is writable for it.
+    ids = engine.run(["run", "--rm", "--entrypoint", "sh", trainer_built, "-c", "id -u; stat -c %u /ckpt"]).stdout
+    assert ids.split() == ["10001", "10001"]
+
+
+def test_trainer_service_trains_one_iteration_through_the_directory(stack, trainer_built):
+    """The compose trainer, its own command plus --iterations 1: it finds the frozenlake replica through
+    Redis (the in-network address the replica advertises), trains, and leaves metrics, curves and a
+    checkpoint in its named volume, which a second container reads back."""
+    service = trainer_service()
+    assert service["profiles"] == ["train"]  # `docker compose up` alone does not start a training run
+    run = ["--profile", "train", "run", "--rm", "--no-deps", "-T"]
+    stack.compose(*run, "trainer", *service["command"], "--iterations", "1", timeout=900)
+    read = ("import json, os; print(json.dumps({'files': sorted(os.listdir('/ckpt')), "
+            "'metrics': [json.loads(l) for l in open('/ckpt/metrics.jsonl')], "
+            "'png': open('/ckpt/curves.png', 'rb').read(8).hex()}))")
+    out = stack.compose(*run, "--entrypoint", "python3", "trainer", "-c", read).stdout
+    found = json.loads(out.strip().splitlines()[-1])
+    assert [m["iteration"] for m in found["metrics"]] == [1]
+    assert "checkpoint-1" in found["files"]
+    assert bytes.fromhex(found["png"]) == b"\x89PNG\r\n\x1a\n"
+
+
 def test_image_healthchecks_pass(stack):
     """The HEALTHCHECK each image declares (envserve health over gRPC; /healthz; redis-cli ping)."""
     names = stack.containers()
@@ -176,3 +210,6 @@ def test_down_leaves_no_container_or_network(stack, engine_api):
     assert before["networks"], before
     stack.down()
     assert leftovers(engine_api, label, f"{stack.project}_") == {"containers": [], "networks": []}
+    # The trainer's named volume (checkpoints) goes with `down -v` too.
+    volumes = {v.name for v in engine_api.volumes.list()}
+    assert f"{stack.project}_trainer-output" not in volumes

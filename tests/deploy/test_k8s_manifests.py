@@ -5,10 +5,12 @@ The replica's and the judge's command lines are run for real, so a flag the serv
 fails too."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -24,7 +26,7 @@ K8S_VERSION = "1.30.0"
 HPA_METRIC = "envserve_replica_live_sessions"
 GPU = "nvidia.com/gpu"
 NAMESPACED_KINDS = {"Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget", "Job",
-                    "Secret", "ConfigMap"}
+                    "Secret", "ConfigMap", "PersistentVolumeClaim"}
 
 
 def kubectl() -> str:
@@ -134,6 +136,23 @@ def prestop_seconds(container) -> float:
     cmd = pre["exec"]["command"]
     assert cmd[0] == "sleep" and len(cmd) == 2, f"preStop should only wait, got {cmd}"
     return float(cmd[1])
+
+
+def expand(container, words: list[str]) -> list[str]:
+    """$(VAR) in command words replaced by the container's literal env values, as the kubelet does
+    (values from the downward API or a Secret stay as written)."""
+    values = {e["name"]: e["value"] for e in env_list(container) if "value" in e}
+    return [re.sub(r"\$\((\w+)\)", lambda m: values.get(m.group(1), m.group(0)), w) for w in words]
+
+
+def trainer_command(job) -> tuple[list[str], list[str], list[str]]:
+    """The Job's command line, expanded, cut at torchrun's -m: (torchrun and its flags, the module and
+    subcommand, the subcommand's flags)."""
+    c = main_container(job)
+    cmd = expand(c, list(c["command"]) + list(c["args"]))
+    assert "-m" in cmd, cmd
+    i = cmd.index("-m")
+    return cmd[:i], cmd[i + 1:i + 3], cmd[i + 3:]
 
 
 def validate_objects(objs):
@@ -358,8 +377,8 @@ def test_only_the_gpu_cluster_trainer_and_simulators_ask_for_a_gpu(rendered):
         trainer = named(objs, "Job", "envserve-trainer")
         # Applying an overlay must not start a training run.
         assert trainer["spec"]["suspend"] is True
-        cmd = main_container(trainer)["command"] + main_container(trainer)["args"]
-        assert cmd[0] == "torchrun" and "envserve_trainer.train" in cmd
+        torchrun, module, train = trainer_command(trainer)
+        assert torchrun[0] == "torchrun" and module == ["envserve_trainer", "train"]
         for dep in env_deployments(objs):
             if overlay == "gpu-cluster" and dep["metadata"]["name"] in GPU_FAMILIES:
                 assert gpu_limit(dep) == 1 and pod_spec(dep)["nodeSelector"]
@@ -373,7 +392,7 @@ def test_only_the_gpu_cluster_trainer_and_simulators_ask_for_a_gpu(rendered):
 
     trainer = named(rendered["gpu-cluster"], "Job", "envserve-trainer")
     assert gpu_limit(trainer) >= 1
-    nproc = parse_args(main_container(trainer)["args"])[1]["--nproc-per-node"]
+    nproc = parse_args(trainer_command(trainer)[0])[1]["--nproc-per-node"]
     assert int(nproc) == gpu_limit(trainer), "one torchrun process per GPU"
     assert any(t["key"] == GPU and t["operator"] == "Exists" for t in pod_spec(trainer)["tolerations"])
     assert pod_spec(trainer)["nodeSelector"]
@@ -395,6 +414,126 @@ def test_gpu_component_is_what_places_a_labelled_family_on_gpu_nodes(tmp_path):
     assert int(main_container(out)["resources"]["limits"][GPU]) == 1
     assert pod_spec(out)["tolerations"][0]["key"] == GPU
     assert validate_objects([out]) == []
+
+
+# ------------------------------------------------------------------------------ trainer Job
+
+BUNDLED_CONFIGS = ROOT / "trainer" / "envserve_trainer" / "configs"  # --config takes these by file name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_trainer_job_is_an_indexed_torchrun_with_pod_0_as_its_rendezvous(rendered, overlay):
+    objs = rendered[overlay]
+    job = named(objs, "Job", "envserve-trainer")
+    c, spec = main_container(job), pod_spec(job)
+    torchrun, module, _ = trainer_command(job)
+    _, flags = parse_args(torchrun[1:])
+    # Every $(VAR) must name a variable of the container, or torchrun gets the literal text.
+    raw = " ".join(c["command"] + c["args"])
+    assert set(re.findall(r"\$\((\w+)\)", raw)) <= {e["name"] for e in env_list(c)}
+    # One pod per node: the node count, the pods the Job runs at once and the pods it needs all agree.
+    nnodes = int(flags["--nnodes"])
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert job["spec"]["parallelism"] == job["spec"]["completions"] == nnodes
+    assert spec["restartPolicy"] == "Never" and job["spec"]["suspend"] is True
+    # The completion index is the node rank.
+    assert flags["--node-rank"] == "$(NODE_RANK)"
+    assert env_value(c, "NODE_RANK")["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    # Pod i of an Indexed Job is named <job>-<i>; with subdomain S and a headless Service S in the same
+    # namespace its DNS name is <job>-<i>.S: rank 0, the store's host, must be that name for index 0.
+    subdomain = spec["subdomain"]
+    assert flags["--master-addr"] == f"{job['metadata']['name']}-0.{subdomain}"
+    svc = named(objs, "Service", subdomain)
+    assert svc["spec"]["clusterIP"] == "None"
+    # Pods without a readiness probe: listed in DNS from their first second, or rank 0 waits on itself.
+    assert svc["spec"]["publishNotReadyAddresses"] is True
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    assert selects(svc["spec"]["selector"], labels)
+    assert not [d for d in of_kind(objs, "Deployment")
+                if selects(svc["spec"]["selector"], d["spec"]["template"]["metadata"]["labels"])]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    by_name = {p["name"]: p for p in svc["spec"]["ports"]}
+    assert int(flags["--master-port"]) == ports["rendezvous"] == by_name["rendezvous"]["port"]
+    assert module == ["envserve_trainer", "train"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_trainer_reads_the_directory_and_keeps_its_output_on_a_claim(rendered, overlay):
+    objs = rendered[overlay]
+    job = named(objs, "Job", "envserve-trainer")
+    c, spec = main_container(job), pod_spec(job)
+    _, flags = parse_args(trainer_command(job)[2])
+    replica = env_value(main_container(env_deployments(objs)[0]), "ENVSERVE_DIRECTORY")["value"]
+    assert flags["--directory"] == replica, "the trainer must read the directory the replicas register in"
+    # Output on a claim the overlay renders, writable by the pod's group (a new volume is root-owned).
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volume = next(v for v in spec["volumes"] if v["name"] == mounts[flags["--output-dir"]])
+    claim = named(objs, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+    assert quantity(claim["spec"]["resources"]["requests"]["storage"]) > 0
+    assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsGroup"]
+    # A bundled config by default; an optional ConfigMap may replace it, so a missing one must not keep
+    # the pod from starting.
+    assert (BUNDLED_CONFIGS / flags["--config"]).is_file(), f"{flags['--config']} is not a bundled config"
+    config_volume = next(v for v in spec["volumes"] if "configMap" in v)
+    assert config_volume["configMap"]["optional"] is True
+    # Auth is opt-in, like the replicas'.
+    ref = env_value(c, "ENVSERVE_TOKEN")["valueFrom"]["secretKeyRef"]
+    assert ref["name"] == "envserve-tokens" and ref["key"] == "tokens" and ref["optional"] is True
+    if overlay == "local":  # a laptop cluster: no GPU, the CPU image
+        assert flags["--device"] == "cpu" and main_container(job)["image"].startswith("localhost/envserve-trainer:")
+    else:  # the CPU image would fail at --device=cuda
+        assert flags["--device"] == "cuda" and main_container(job)["image"].startswith("envserve-trainer-cuda:")
+
+
+def test_trainer_environment_names_are_ones_the_cli_reads():
+    """ENVSERVE_* in the Job reach the trainer only if its code reads them (a typo does nothing)."""
+    source = "\n".join(p.read_text() for p in (ROOT / "trainer" / "envserve_trainer").rglob("*.py"))
+    job = next(d for d in yaml.safe_load_all((K8S / "base" / "trainer-job.yaml").read_text()) if d["kind"] == "Job")
+    names = [e["name"] for e in env_list(main_container(job)) if e["name"].startswith("ENVSERVE_")]
+    assert names == ["ENVSERVE_TOKEN"]
+    for name in names:
+        assert f'"{name}"' in source, f"envserve-train does not read {name}"
+
+
+def test_trainer_job_command_line_trains_one_iteration_against_a_replica(rendered, tmp_path):
+    """The local overlay's torchrun command line as the pod runs it, on loopback: the rendezvous host is
+    this machine, the directory a real Redis with a real FrozenLake replica registered in it, the output
+    a temp folder; plus --iterations=1. It must exit 0 and leave metrics, curves and a checkpoint."""
+    from serverproc import RedisProcess, ServerProcess
+
+    try:
+        redis = RedisProcess()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    job = named(rendered["local"], "Job", "envserve-trainer")
+    torchrun, module, train = trainer_command(job)
+    _, tflags = parse_args(train)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    local = {f"--master-addr={parse_args(torchrun[1:])[1]['--master-addr']}": "--master-addr=127.0.0.1",
+             "--master-port=29500": f"--master-port={port}", "--node-rank=$(NODE_RANK)": "--node-rank=0"}
+    out = tmp_path / "out"
+    local_train = {f"--directory={tflags['--directory']}": f"--directory={redis.url}",
+                   f"--output-dir={tflags['--output-dir']}": f"--output-dir={out}"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", *[local.get(w, w) for w in torchrun[1:]], "-m", *module,
+           *[local_train.get(w, w) for w in train], "--iterations=1"]
+    assert not [w for w in cmd if "$(" in w], cmd
+    env = dict(os.environ, HOME=str(tmp_path), TMPDIR=str(tmp_path), PYTHONDONTWRITEBYTECODE="1")
+    env.pop("ENVSERVE_TOKEN", None)
+    try:
+        with ServerProcess(["frozenlake"], workers=1, metrics=False, extra=["--directory", redis.url]):
+            # The timeout only ends a hung run.
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+    finally:
+        redis.stop()
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    # One iteration: one metrics record, and the checkpoint the last iteration always writes.
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["iteration"] for r in records] == [1]
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-1"]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -730,3 +869,79 @@ def test_local_overlay_runs_in_podman_with_a_read_only_root_and_registers_in_red
     finally:
         _podman("kube", "down", str(play), check=False)
         _podman("network", "rm", "-f", network, check=False)
+
+
+@pytest.mark.containers
+@pytest.mark.timeout(900)  # a cold build of the trainer image (about 3 min) may land in this test's setup
+def test_local_overlay_trainer_pod_trains_one_iteration_in_podman(rendered, built, trainer_built, tmp_path):
+    """The local overlay's trainer Job as a pod (kube play ignores Jobs): uid 10001, a read-only root,
+    /tmp and /dev/shm from emptyDirs, the output on its claim (a podman volume), torchrun with the
+    manifest's flags, against Redis and a grid replica played the same way; plus --iterations=1.
+    What a cluster would add is filled in: the completion index (0), pod 0's DNS name (the pod's own)."""
+    if shutil.which("podman") is None:
+        pytest.skip("podman is not installed")
+    images = {"localhost/envserve-grid:latest": "localhost/envserve-grid:latest",
+              "docker.io/library/redis:7.2": "localhost/envserve-redis:latest",
+              "localhost/envserve-trainer:latest": "localhost/envserve-trainer:latest"}
+    for image in set(images.values()):
+        if _podman("image", "exists", image, check=False).returncode != 0:
+            pytest.skip(f"{image} is not built (deploy/build-images.sh grid redis trainer)")
+    objs = rendered["local"]
+    suffix = f"k8strain{os.getpid()}"
+    redis_pod = _as_podman_pod(named(objs, "Deployment", "redis"), suffix, images)
+    grid_pod = _as_podman_pod(named(objs, "Deployment", "envserve-grid"), suffix, images)
+    job = yaml.safe_load(yaml.safe_dump(named(objs, "Job", "envserve-trainer")))
+    for e in main_container(job)["env"]:
+        if e["name"] == "NODE_RANK":  # the Job controller's annotation on pod 0
+            e.pop("valueFrom")
+            e["value"] = "0"
+    trainer_pod = _as_podman_pod(job, suffix, images)
+    redis_host, trainer_host = redis_pod["metadata"]["name"], trainer_pod["metadata"]["name"]
+    to_pod = lambda s: re.sub(r"redis://redis:", f"redis://{redis_host}:", s)  # noqa: E731
+    for e in main_container(grid_pod)["env"]:
+        if e["name"] == "ENVSERVE_DIRECTORY":
+            e["value"] = to_pod(e["value"])
+    t = main_container(trainer_pod)
+    master = f"--master-addr={parse_args(trainer_command(job)[0][1:])[1]['--master-addr']}"
+    t["args"] = [f"--master-addr={trainer_host}" if a == master else to_pod(a) for a in t["args"]] + ["--iterations=1"]
+    assert "--node-rank=0" in t["args"]
+    # A claim of its own per run: kube play makes a podman volume of that name.
+    claim = f"envserve-trainer-output-{suffix}"
+    output = next(v for v in pod_spec(trainer_pod)["volumes"] if "persistentVolumeClaim" in v)
+    output["persistentVolumeClaim"]["claimName"] = claim
+    out_dir = parse_args(trainer_command(job)[2])[1]["--output-dir"]
+    envs_yaml, trainer_yaml = tmp_path / "envs.yaml", tmp_path / "trainer.yaml"
+    envs_yaml.write_text(yaml.safe_dump_all([redis_pod, grid_pod]))
+    trainer_yaml.write_text(yaml.safe_dump(trainer_pod))
+    network = f"envserve-{suffix}"
+    grid = f"{grid_pod['metadata']['name']}-{main_container(grid_pod)['name']}"
+    trainer = f"{trainer_host}-{t['name']}"
+    _podman("network", "create", network)
+    try:
+        _podman("kube", "play", "--network", network, str(envs_yaml))
+        deadline = time.time() + 60
+        while _podman("exec", grid, "envserve", "health", "--address", "127.0.0.1:50051",
+                      check=False).returncode != 0:
+            assert time.time() < deadline, _podman("logs", grid, check=False).stdout
+            time.sleep(0.5)
+        _podman("kube", "play", "--network", network, str(trainer_yaml))
+        # The deadline only ends a hung run; one iteration takes well under a minute on two cores.
+        deadline = time.time() + 900
+        while _podman("inspect", trainer, "--format", "{{.State.Status}}").stdout.strip() != "exited":
+            assert time.time() < deadline, _podman("logs", trainer, check=False).stderr[-4000:]
+            time.sleep(2)
+        logs = _podman("logs", trainer, check=False)
+        code = _podman("inspect", trainer, "--format", "{{.State.ExitCode}}").stdout.strip()
+        assert code == "0", (logs.stdout + logs.stderr)[-6000:]
+        mountpoint = Path(_podman("volume", "inspect", claim, "--format", "{{.Mountpoint}}").stdout.strip())
+        records = [json.loads(line) for line in (mountpoint / "metrics.jsonl").read_text().splitlines() if line]
+        assert [r["iteration"] for r in records] == [1]
+        assert (mountpoint / "checkpoint-1").is_dir()
+        # Written by uid 10001 under the read-only root: the claim was the only writable output.
+        assert (mountpoint / "metrics.jsonl").stat().st_uid == 10001
+        assert out_dir in {m["mountPath"] for m in t["volumeMounts"]}
+    finally:
+        _podman("kube", "down", str(trainer_yaml), check=False)
+        _podman("kube", "down", str(envs_yaml), check=False)
+        _podman("network", "rm", "-f", network, check=False)
+        _podman("volume", "rm", "-f", claim, check=False)

@@ -46,7 +46,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence, TextIO
 
-from .trajectory import Episode, Trial, Turn
+from .trajectory import Episode, Trial
 
 SUCCESS_EPISODES = ("last", "first", "any")
 

@@ -123,22 +123,42 @@ class Learner:
             out[i, :len(r)] = torch.as_tensor(np.asarray(r, dtype=np.float32))
         return out.to(device)
 
+    def _schedule(self, n_samples: int, seed: int) -> list[list[list[int]]]:
+        """Mini-batches of micro-batches of sample indices, over all epochs. Under torchrun every
+        rank must run as many forward/backward passes as the others (FSDP gathers weights on each
+        forward, DDP reduces on each synced backward), so shorter schedules are padded with empty
+        micro-batches, which run a zero-weighted pass."""
+        up = self.cfg.update
+        order = list(range(n_samples))
+        random.Random(seed).shuffle(order)
+        mini = up.mini_batch_size or max(n_samples, 1)
+        mb = up.micro_batch_size
+        plan = []
+        for _epoch in range(up.epochs):
+            for m0 in range(0, len(order), mini):
+                idx = order[m0:m0 + mini]
+                plan.append([idx[c:c + mb] for c in range(0, len(idx), mb)])
+        if self.dist.active:
+            shapes = self.dist.gather([len(m) for m in plan])
+            n_mini = max(len(sh) for sh in shapes)
+            plan += [[] for _ in range(n_mini - len(plan))]
+            for i in range(n_mini):
+                want = max(sh[i] if i < len(sh) else 0 for sh in shapes)
+                plan[i] += [[] for _ in range(want - len(plan[i]))]
+        return plan
+
     def update(self, samples: Sequence[Sample], seed: int = 0) -> dict[str, float]:
         up = self.cfg.update
-        if not samples:
-            return {"samples": 0.0}
         device = next(self.model.parameters()).device
         mb = up.micro_batch_size
-        # pi_old and the reference, once per iteration.
+        # pi_old and the reference, once per iteration, on unwrapped modules (no collectives).
         old: list[torch.Tensor] = []
         ref: list[torch.Tensor] = []
         mismatch, mismatch_n = 0.0, 0
         with torch.no_grad():
-            was = self.model.training
-            self.model.eval()
             for s in range(0, len(samples), mb):
                 batch = samples[s:s + mb]
-                lp, m = self._logprobs(self.model, batch)
+                lp, m = self._logprobs(self.rollout_model, batch)
                 behaviour = self._padded([x.behaviour_logprobs for x in batch], lp.shape[1], device)
                 has = torch.tensor([len(x.behaviour_logprobs) == len(x.completion_ids) for x in batch],
                                    device=device).unsqueeze(1) & m
@@ -148,32 +168,32 @@ class Learner:
                 if self.reference is not None and up.kl_coef > 0:
                     rl, _ = self._logprobs(self.reference, batch)
                     ref += [rl[i] for i in range(len(batch))]
-            self.model.train(was)
-        order = list(range(len(samples)))
-        random.Random(seed).shuffle(order)
-        mini = up.mini_batch_size or len(samples)
+        plan = self._schedule(len(samples), seed)
+        if not plan:
+            return {"samples": 0.0}
         stats: dict[str, list[float]] = {k: [] for k in ("loss", "pg_loss", "kl", "entropy", "clip_frac",
                                                           "value_loss", "grad_norm")}
         self.train_model.train()
-        for _epoch in range(up.epochs):
-            for m0 in range(0, len(order), mini):
-                idx = order[m0:m0 + mini]
-                tokens = sum(len(samples[i].completion_ids) for i in idx)
-                self.optimizer.zero_grad(set_to_none=True)
-                if self.critic_optimizer is not None:
-                    self.critic_optimizer.zero_grad(set_to_none=True)
-                chunks = [idx[c:c + mb] for c in range(0, len(idx), mb)]
-                for ci, chunk in enumerate(chunks):
-                    sync = ci == len(chunks) - 1
-                    with self.dist.no_sync(self.train_model, enabled=not sync):
+        for chunks in plan:
+            tokens = sum(len(samples[i].completion_ids) for chunk in chunks for i in chunk)
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.critic_optimizer is not None:
+                self.critic_optimizer.zero_grad(set_to_none=True)
+            for ci, chunk in enumerate(chunks):
+                sync = ci == len(chunks) - 1
+                with self.dist.no_sync(self.train_model, enabled=not sync):
+                    if chunk:
                         self._micro_step(samples, chunk, old, ref, tokens, stats, device)
-                params = [p for p in self.train_model.parameters() if p.grad is not None]
-                norm = torch.nn.utils.clip_grad_norm_(params, up.max_grad_norm) if params else torch.tensor(0.0)
+                    else:
+                        self._idle_step(device)
+            params = [p for p in self.train_model.parameters() if p.grad is not None]
+            norm = torch.nn.utils.clip_grad_norm_(params, up.max_grad_norm) if params else torch.tensor(0.0)
+            if tokens:
                 stats["grad_norm"].append(float(norm))
-                self.optimizer.step()
-                if self.critic_optimizer is not None:
-                    torch.nn.utils.clip_grad_norm_(list(self.train_critic.parameters()), up.max_grad_norm)
-                    self.critic_optimizer.step()
+            self.optimizer.step()
+            if self.critic_optimizer is not None:
+                torch.nn.utils.clip_grad_norm_(list(self.train_critic.parameters()), up.max_grad_norm)
+                self.critic_optimizer.step()
         self.model.eval()
         self.sync_rollout_model()
         self.iteration += 1
@@ -182,6 +202,16 @@ class Learner:
         out["action_tokens"] = float(sum(len(s.completion_ids) for s in samples))
         out["sampler_logprob_gap"] = mismatch / max(mismatch_n, 1)
         return out
+
+    def _idle_step(self, device) -> None:
+        """A zero-weighted forward/backward: keeps this rank in step with ranks that have more samples."""
+        ids = torch.tensor([[self.pad_token_id]], device=device)
+        mask = torch.ones_like(ids)
+        out = self.train_model(input_ids=ids, attention_mask=mask, position_ids=torch.zeros_like(ids), use_cache=False)
+        loss = out.logits.sum() * 0.0
+        if self.critic is not None:
+            loss = loss + self.train_critic(ids, mask, torch.zeros_like(ids)).sum() * 0.0
+        loss.backward()
 
     def _micro_step(self, samples, chunk, old, ref, tokens, stats, device) -> None:
         up = self.cfg.update

@@ -255,7 +255,7 @@ class Trainer:
         try:
             from .curves import plot_curves
             return plot_curves(self.out / METRICS_FILE, self.out / CURVES_FILE)
-        except ImportError as e:   # matplotlib is the optional `plot` extra
+        except (ImportError, RuntimeError) as e:   # matplotlib is the optional `plot` extra
             log.warning("no training curves PNG: %s", e)
             return None
 

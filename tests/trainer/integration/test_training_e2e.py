@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -170,7 +171,11 @@ def test_torchrun_two_cpu_processes_train_and_resume(server, tmp_path, strategy)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "services"), str(ROOT / "trainer")]),
            "OMP_NUM_THREADS": "1"}
     out = tmp_path / "run"
-    base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
+    with socket.socket() as sock:     # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+            "--master-port", str(port),
             "-m", "envserve_trainer", "train", "--config", str(cfg_path), "--env-address", server.address,
             "--output-dir", str(out)]
     r = subprocess.run(base, capture_output=True, text=True, env=env, timeout=600)
