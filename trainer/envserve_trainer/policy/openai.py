@@ -214,12 +214,20 @@ class OpenAIPolicy:
         return await asyncio.wrap_future(self._submit(self.chat_url, bodies, [[] for _ in bodies]))
 
     def generate_from_ids(self, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
-                          top_p: float = 1.0, seed: int | None = None) -> list[Generation]:
+                          top_p: float = 1.0, seed: int | None = None,
+                          row_seeds: Sequence[int] | None = None) -> list[Generation]:
         """Completions of token-id prompts through /completions, which takes a list of ids as the
-        prompt on servers that accept that (vLLM, SGLang); others refuse it with a 4xx, raised."""
+        prompt on servers that accept that (vLLM, SGLang); others refuse it with a 4xx, raised.
+        `row_seeds` seeds each row (the rollout's per-turn seeds)."""
         if any(len(p) == 0 for p in prompt_ids):
             raise ValueError("every prompt needs at least one token")
+        if row_seeds is not None and len(row_seeds) != len(prompt_ids):
+            raise ValueError(f"{len(prompt_ids)} prompts but {len(row_seeds)} row seeds")
         bodies = self._bodies(None, prompt_ids, max_new_tokens, temperature, top_p, seed)
+        for body, s in zip(bodies, row_seeds or ()):
+            body["_row_seed"] = int(s)
+            if self.config.send_seed:
+                body["seed"] = int(s)
         known = [[int(t) for t in p] for p in prompt_ids]
         return self._submit(self.completions_url, bodies, known).result()
 

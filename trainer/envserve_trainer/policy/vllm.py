@@ -145,9 +145,10 @@ class VLLMPolicy:
         return self.generate_from_ids(ids, max_new_tokens, temperature, top_p, seed)
 
     def generate_from_ids(self, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
-                          top_p: float = 1.0, seed: int | None = None) -> list[Generation]:
+                          top_p: float = 1.0, seed: int | None = None,
+                          row_seeds: Sequence[int] | None = None) -> list[Generation]:
         """Like generate, from token ids. temperature <= 0 decodes greedily; the log-probabilities are
-        then the model's own (temperature 1), as in the hf backend."""
+        then the model's own (temperature 1), as in the hf backend. `row_seeds` seeds each row."""
         llm = self._live()
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -155,8 +156,11 @@ class VLLMPolicy:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if any(len(p) == 0 for p in prompt_ids):
             raise ValueError("every prompt needs at least one token")
+        if row_seeds is not None and len(row_seeds) != len(prompt_ids):
+            raise ValueError(f"{len(prompt_ids)} prompts but {len(row_seeds)} row seeds")
         base_seed = secrets.randbits(63) if seed is None else int(seed)
-        seeds = [row_seed(base_seed, i) for i in range(len(prompt_ids))]
+        seeds = ([int(s) for s in row_seeds] if row_seeds is not None
+                 else [row_seed(base_seed, i) for i in range(len(prompt_ids))])
         prompts = [[int(t) for t in p] for p in prompt_ids]
         if max_new_tokens == 0 or not prompts:   # vLLM needs max_tokens >= 1
             return [Generation("", p, [], [], FINISH_LENGTH, {"seed": s}) for p, s in zip(prompts, seeds)]
