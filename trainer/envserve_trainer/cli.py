@@ -88,8 +88,19 @@ def main(argv=None) -> int:
         return 0
     from .train import evaluate_checkpoint
     policy = tokenizer = None
-    if not args.checkpoint:
-        raise SystemExit("envserve-train eval: give --checkpoint")
+    if cfg.model.backend == "openai":
+        # A served model: rollouts send token-id prompts to /completions (vLLM, SGLang accept them),
+        # built with the served model's tokenizer (model.path) or the small model's.
+        from .model import build_tokenizer
+        from .policy.openai import OpenAIPolicy
+        if cfg.model.path:
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        else:
+            tokenizer = build_tokenizer()
+        policy = OpenAIPolicy({"base_url": cfg.model.base_url, "model": cfg.model.model_name})
+    elif not args.checkpoint:
+        raise SystemExit("envserve-train eval: give --checkpoint (or model.backend: openai)")
     summary = asyncio.run(evaluate_checkpoint(cfg, args.checkpoint, conn, args.device, policy, tokenizer))
     text = json.dumps(summary, indent=1, default=str)
     if args.json:
