@@ -30,7 +30,7 @@ import torch
 
 from .config import TrainConfig
 from .distributed import Dist
-from .policy.hf import left_pad, positions, sequence_logprobs
+from .policy.hf import positions, scoring_layout, sequence_logprobs
 from .samples import Sample
 
 STATE_FILE = "trainer_state.json"
@@ -57,18 +57,11 @@ class ValueHead(torch.nn.Module):
 def critic_values(critic: torch.nn.Module, prompt_ids: Sequence[Sequence[int]],
                   completion_ids: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, C] values of the states each completion token was chosen in (the position before it)."""
-    width = max(len(c) for c in completion_ids)
-    device = next(critic.parameters()).device
-    prompt, prompt_mask = left_pad(prompt_ids, pad_token_id)
-    completion = torch.full((len(prompt_ids), width), pad_token_id, dtype=torch.long)
-    completion_mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
-    for i, c in enumerate(completion_ids):
-        completion[i, :len(c)] = torch.as_tensor(list(c), dtype=torch.long)
-        completion_mask[i, :len(c)] = 1
-    ids = torch.cat([prompt, completion], 1).to(device)
-    mask = torch.cat([prompt_mask, completion_mask], 1).to(device)
+    ids, mask, completion_mask = scoring_layout(prompt_ids, completion_ids, pad_token_id,
+                                                next(critic.parameters()).device)
+    width = completion_mask.shape[1]
     v = critic(ids, mask, positions(mask))
-    return v[:, -width - 1:-1], completion_mask.to(device).bool()
+    return v[:, -width - 1:-1], completion_mask.bool()
 
 
 class Learner:

@@ -210,7 +210,8 @@ class RolloutEngine:
                 prompts.append(run.pending[0])
                 seeds.append(turn_seed(*run.seed_base, ep.episode, len(ep.turns)))
             else:
-                prompts.append(reflection_prompt(self.layout, run.builder, run.last_observation, ep.success))
+                run.pending = (reflection_prompt(self.layout, run.builder, run.last_observation, ep.success), [])
+                prompts.append(run.pending[0])
                 seeds.append(turn_seed(*run.seed_base, ep.episode, "reflect"))
         max_new = ro.max_new_tokens if kind == ACT else ro.reflection_max_new_tokens
         gens = self.policy.generate_from_ids(prompts, max_new, temperature=temperature, top_p=ro.top_p,
@@ -234,7 +235,7 @@ class RolloutEngine:
     def _on_reflection(self, run: _Run, gen) -> None:
         ep = run.episode
         ep.reflection = remark_of(gen.text)
-        prompt = reflection_prompt(self.layout, run.builder, run.last_observation, ep.success)
+        prompt, run.pending = run.pending[0], None
         ep.reflection_ids = (prompt, list(gen.completion_token_ids), list(gen.completion_logprobs))
         run.memory.append(f"reflection: {ep.reflection}")
 

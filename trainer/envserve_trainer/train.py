@@ -90,12 +90,14 @@ def task_schedule(cfg: TrainConfig, iteration: int) -> list[Task]:
     return [Task(env.seed_start + (start + i) % env.num_tasks, env.split) for i in range(n)]
 
 
-def eval_tasks(cfg: TrainConfig, held_out: bool) -> list[Task]:
+def eval_task_sets(cfg: TrainConfig) -> dict[str, list[Task]]:
+    """What evaluation plays: every training task, and the held-out seeds when configured."""
     env = cfg.env
     split = env.eval_split or env.split
-    if held_out:
-        return [Task(env.eval_seed_start + i, split) for i in range(env.eval_tasks)]
-    return [Task(env.seed_start + i, split) for i in range(env.num_tasks)]
+    sets = {"train_tasks": [Task(env.seed_start + i, split) for i in range(env.num_tasks)]}
+    if env.eval_tasks:
+        sets["held_out"] = [Task(env.eval_seed_start + i, split) for i in range(env.eval_tasks)]
+    return sets
 
 
 async def judge_trials(judge, trials: Sequence[Trial], env_id: str) -> int:
@@ -155,10 +157,10 @@ class Trainer:
                 if self.dist.is_main:
                     save_small(ref_dir, reference, self.tokenizer)
         from .policy.hf import HFPolicy
-        self.learner = Learner(model, self.tokenizer, cfg, self.dist, reference=reference,
-                               allowed=None)
+        from .policy.hf import vocabulary_mask
+        allowed = vocabulary_mask(self.allowed_ids, int(model.config.vocab_size))
+        self.learner = Learner(model, self.tokenizer, cfg, self.dist, reference=reference, allowed=allowed)
         self.policy = HFPolicy(self.learner.rollout_model, self.tokenizer, allowed_token_ids=self.allowed_ids)
-        self.learner.allowed = self.policy.allowed
         self.start_iteration = 0
         if resume:
             ckpt = latest_checkpoint(self.out)
@@ -240,14 +242,10 @@ class Trainer:
         """Success and the rest on the training tasks and, if configured, held-out ones."""
         cfg = self.cfg
         out = {}
-        for name, held_out in (("train_tasks", False), ("held_out", True)):
-            tasks = self.dist.shard(eval_tasks(cfg, held_out))
-            if not tasks and not held_out:
-                continue
-            if held_out and not cfg.env.eval_tasks:
-                continue
-            trials = await engine.collect(tasks, cfg.run.eval_samples, iteration=10_000_000 + iteration,
-                                          temperature=cfg.run.eval_temperature)
+        for name, tasks in eval_task_sets(cfg).items():
+            # Every rank collects (possibly nothing) so the gather below lines up.
+            trials = await engine.collect(self.dist.shard(tasks), cfg.run.eval_samples,
+                                          iteration=10_000_000 + iteration, temperature=cfg.run.eval_temperature)
             out[name] = self.evaluate_trials(trials)
         return out
 
@@ -278,10 +276,8 @@ async def evaluate_checkpoint(cfg: TrainConfig, checkpoint: str | Path | None, c
     engine = RolloutEngine(client, policy, tokenizer, cfg, seed=cfg.run.seed)
     out: dict[str, Any] = {}
     try:
-        for name, held_out in (("train_tasks", False), ("held_out", True)):
-            if held_out and not cfg.env.eval_tasks:
-                continue
-            trials = await engine.collect(eval_tasks(cfg, held_out), cfg.run.eval_samples, iteration=-1,
+        for name, tasks in eval_task_sets(cfg).items():
+            trials = await engine.collect(tasks, cfg.run.eval_samples, iteration=-1,
                                           temperature=cfg.run.eval_temperature)
             out[name] = summarize(trials)
     finally:

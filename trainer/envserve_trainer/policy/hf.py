@@ -75,6 +75,23 @@ def vocabulary_mask(allowed_token_ids: Sequence[int] | None, vocab_size: int) ->
     return mask
 
 
+def scoring_layout(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], pad: int,
+                   device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, attention mask, completion mask) on `device`: prompts left-padded, completions
+    right-padded after them, as generation lays them out; the completion mask is [B, C]."""
+    width = max((len(c) for c in completion_ids), default=0)
+    prompt, prompt_mask = left_pad(prompt_ids, pad)
+    completion = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
+    completion_mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+    for i, c in enumerate(completion_ids):
+        if len(c):
+            completion[i, :len(c)] = torch.as_tensor(list(c), dtype=torch.long)
+            completion_mask[i, :len(c)] = 1
+    ids = torch.cat([prompt, completion], 1).to(device)
+    mask = torch.cat([prompt_mask, completion_mask], 1).to(device)
+    return ids, mask, completion_mask.to(device)
+
+
 def sequence_logprobs(model, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
                       temperature: float = 1.0, pad_token_id: int | None = None,
                       allowed: torch.Tensor | None = None, return_entropy: bool = False):
@@ -98,16 +115,7 @@ def sequence_logprobs(model, prompt_ids: Sequence[Sequence[int]], completion_ids
     if width == 0:
         empty = (torch.zeros((batch, 0), device=device), torch.zeros((batch, 0), dtype=torch.bool, device=device))
         return empty + (torch.zeros((batch, 0), device=device),) if return_entropy else empty
-    pad = _pad_id(model, pad_token_id)
-    prompt, prompt_mask = left_pad(prompt_ids, pad)
-    completion = torch.full((batch, width), pad, dtype=torch.long)
-    completion_mask = torch.zeros((batch, width), dtype=torch.long)
-    for i, c in enumerate(completion_ids):
-        if len(c):
-            completion[i, :len(c)] = torch.as_tensor(list(c), dtype=torch.long)
-            completion_mask[i, :len(c)] = 1
-    ids = torch.cat([prompt, completion], 1).to(device)
-    mask = torch.cat([prompt_mask, completion_mask], 1).to(device)
+    ids, mask, completion_mask = scoring_layout(prompt_ids, completion_ids, _pad_id(model, pad_token_id), device)
     # Only the last width + 1 positions need logits: the last prompt token predicts the first
     # completion token, and the last completion token predicts nothing we score.
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False,
@@ -119,7 +127,7 @@ def sequence_logprobs(model, prompt_ids: Sequence[Sequence[int]], completion_ids
     targets = ids[:, -width:]
     all_logp = torch.log_softmax(logits, -1)
     logp = all_logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    keep = completion_mask.to(device).bool()
+    keep = completion_mask.bool()
     if not return_entropy:
         return logp.masked_fill(~keep, 0.0), keep
     p = all_logp.exp()
