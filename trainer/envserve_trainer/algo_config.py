@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, TypeVar
 
-from envserve.core.settings import typed_fields
+from envserve.client.settings import typed_fields
 
 _C = TypeVar("_C")
 

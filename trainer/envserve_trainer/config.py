@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from envserve.core.settings import typed_fields
+from envserve.client.settings import typed_fields
 
 from .algo_config import AdvantageConfig, RewardConfig
 

@@ -124,13 +124,11 @@ def rlvmr_rewards(steps: Sequence[MetaStep], success: bool, cfg: RewardConfig | 
 def reasoning_reward(grounding: float | None, world_modeling: float | None, cfg: RewardConfig | None = None,
                      format_valid: bool = True) -> float:
     """The judged reasoning reward r = beta_g * grounding + beta_w * world_modeling, assembled by
-    envserve's judge package (one definition for the service and the trainer); the betas are the
+    envserve.client.judge (one definition for the judge service and the trainer); the betas are the
     trainer's own config. A missing score adds nothing; an unparsed turn earns nothing (VAGEN)."""
-    from envserve.judge.config import JudgeConfig
-    from envserve.judge.reward import reasoning_reward as assemble
+    from envserve.client.judge import reasoning_reward as assemble
     cfg = cfg or RewardConfig()
-    weights = JudgeConfig(beta_grounding=cfg.beta_grounding, beta_world_modeling=cfg.beta_world_modeling)
-    return assemble(grounding, world_modeling, weights, format_valid).total
+    return assemble(grounding, world_modeling, cfg.beta_grounding, cfg.beta_world_modeling, format_valid).total
 
 
 def step_reward(env_reward: float, components: Mapping[str, float] | None = None) -> float:

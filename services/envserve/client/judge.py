@@ -6,7 +6,7 @@ results arrive on their own task, so stepping never waits for the judge.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterable, Sequence
 
 import grpc
@@ -16,6 +16,28 @@ from envserve.v1 import envserve_pb2_grpc as pb_grpc
 
 from .client import auth_metadata, make_channel
 from .errors import from_rpc_error
+
+
+@dataclass(frozen=True)
+class ReasoningReward:
+    total: float
+    components: dict[str, float] = field(default_factory=dict)
+
+
+def reasoning_reward(grounding: float | None, world_modeling: float | None, beta_grounding: float,
+                     beta_world_modeling: float, format_valid: bool = True) -> ReasoningReward:
+    """r_reason = beta_g * grounding + beta_w * world_modeling, from the judged scores (each an F1 or
+    the repetition penalty). One definition for the judge service and every trainer, here because both
+    sit on the client. A turn may carry only one of the two fields (the grounding or the worldmodeling
+    format): the missing one adds nothing. As in VAGEN, a turn whose text did not parse earns no
+    reasoning reward at all, whatever its fields say."""
+    components: dict[str, float] = {}
+    if format_valid:
+        if grounding is not None:
+            components["grounding"] = beta_grounding * float(grounding)
+        if world_modeling is not None:
+            components["world_modeling"] = beta_world_modeling * float(world_modeling)
+    return ReasoningReward(sum(components.values()), components)
 
 
 @dataclass(frozen=True)

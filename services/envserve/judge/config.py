@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from envserve.core.settings import typed_fields
+from envserve.client.settings import typed_fields
 
 
 @dataclass(frozen=True)

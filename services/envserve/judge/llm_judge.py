@@ -49,7 +49,7 @@ from typing import Any, Mapping
 import httpx
 
 from .base import JudgeError, JudgeInput, Judgment
-from envserve.core.settings import typed_fields
+from envserve.client.settings import typed_fields
 
 from .config import JudgeConfig
 from .prompts import (Prompt, claim_family, claims_from_atoms, prompt_family, structured_prompt,

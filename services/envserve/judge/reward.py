@@ -1,30 +1,16 @@
-"""Reward assembly: r_reason = beta_g * grounding + beta_w * world_modeling.
-
-A turn may carry only one of the two fields (the grounding or the worldmodeling format); the missing
-one adds nothing. As in VAGEN, a turn whose text did not parse (no format reward) earns no reasoning
-reward at all, whatever its fields say.
-"""
+"""Reward assembly with the judge's configured weights: r_reason = beta_g * grounding + beta_w *
+world_modeling (the formula itself is envserve.client.judge.reasoning_reward, shared with trainers)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from envserve.client.judge import ReasoningReward, reasoning_reward as _weighted
 
 from .config import JudgeConfig
 
-
-@dataclass(frozen=True)
-class ReasoningReward:
-    total: float
-    components: dict[str, float] = field(default_factory=dict)
+__all__ = ["ReasoningReward", "reasoning_reward"]
 
 
 def reasoning_reward(grounding: float | None, world_modeling: float | None, config: JudgeConfig | None = None,
                      format_valid: bool = True) -> ReasoningReward:
-    """The weighted sum of the two judged scores (each an F1 or the repetition penalty)."""
+    """The weighted sum of the two judged scores with `config`'s betas (JudgeConfig defaults)."""
     c = config or JudgeConfig()
-    components: dict[str, float] = {}
-    if format_valid:
-        if grounding is not None:
-            components["grounding"] = c.beta_grounding * float(grounding)
-        if world_modeling is not None:
-            components["world_modeling"] = c.beta_world_modeling * float(world_modeling)
-    return ReasoningReward(sum(components.values()), components)
+    return _weighted(grounding, world_modeling, c.beta_grounding, c.beta_world_modeling, format_valid)

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from envserve.core.settings import typed_fields
+from envserve.client.settings import typed_fields
 
 from .base import FINISH_LENGTH, FINISH_STOP, Generation, Message, Weights
 from .hf import row_seed

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from envserve.core.settings import typed_fields
+from envserve.client.settings import typed_fields
 
 from .base import FINISH_LENGTH, FINISH_STOP, Generation, Message, Weights
 from .hf import encode_chat, row_seed

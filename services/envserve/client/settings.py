@@ -1,6 +1,7 @@
 """Typed settings from plain mappings (a YAML section, a JSON file, a gRPC Struct).
 
-Shared by every frozen settings dataclass (the judge's, the LLM judge's, the trainer's): a key must
+Shared by every frozen settings dataclass of the parts built on the client (the judge's, the LLM
+judge's, the trainer's), so it lives here, where they all already depend: a key must
 be a field, and a value must have its default's type. Booleans are not numbers (bool is an int
 subclass, so a typo'd flag would otherwise pass as one), strings stay strings, an integer field takes
 only whole numbers, and a float field takes any number.
