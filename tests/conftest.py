@@ -16,6 +16,26 @@ GRID_ENVS = ["sokoban", "frozenlake", "minesweeper"]
 os.environ.setdefault("ENVSERVE_ALFWORLD_GAMES", os.path.join(tempfile.gettempdir(), "envserve-test-alfworld-games"))
 
 
+# Figures tests measure (success rates, timings), shown at the end of every run, with or without -s.
+_FIGURES: list[str] = []
+
+
+@pytest.fixture
+def report():
+    """report(line): prints the line and repeats it in the run's summary."""
+    def add(line: str) -> None:
+        print(line)
+        _FIGURES.append(line)
+    return add
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _FIGURES:
+        terminalreporter.section("reported figures")
+        for line in _FIGURES:
+            terminalreporter.write_line(line)
+
+
 @pytest.fixture(scope="session")
 def grid_server():
     """One real server process on loopback serving the grid environments, shared by the session."""

@@ -173,3 +173,14 @@ class RedisProcess:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def sapien_vulkan_problem() -> str:
+    """Empty when SAPIEN (ManiSkill) can create its render device here, else why not; probed in a
+    child, to keep the test process clean."""
+    probe = "import sapien; sapien.render.RenderSystem(); print('ok')"
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return "creating a SAPIEN render device timed out"
+    return "" if out.returncode == 0 and "ok" in out.stdout else (out.stderr.strip().splitlines() or ["?"])[-1]

@@ -2,9 +2,6 @@
 GetState completes all four tasks by real arm motion, invalid actions move nothing, picking empty air
 holds nothing, a push moves only what it touches, seeds give the same layout in two processes, and a
 fork replays exactly. Needs mani-skill + sapien and a Vulkan device (Mesa lavapipe works)."""
-import subprocess
-import sys
-
 import grpc
 import numpy as np
 import pytest
@@ -14,23 +11,14 @@ pytest.importorskip("mani_skill")
 from envserve.client import EnvClient, decode_image, state_dict  # noqa: E402
 from envserve.client.errors import EnvServeError  # noqa: E402
 from envserve.envs.primitive_skill.env import PrimitiveSkillEnv  # noqa: E402
-from serverproc import ServerProcess  # noqa: E402
+from envserve.client.experts import PrimitiveSkillExpert, Truth  # noqa: E402
+from serverproc import ServerProcess, sapien_vulkan_problem  # noqa: E402
 
 DEFAULTS = PrimitiveSkillEnv.spec.config_defaults
 STAGE = DEFAULTS["stage_reward"]
 
 
-def _vulkan_problem() -> str:
-    """Empty when SAPIEN can create its render device here (in a child, to keep this process clean)."""
-    probe = "import sapien; sapien.render.RenderSystem(); print('ok')"
-    try:
-        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
-    except subprocess.TimeoutExpired:
-        return "creating a SAPIEN render device timed out"
-    return "" if out.returncode == 0 and "ok" in out.stdout else (out.stderr.strip().splitlines() or ["?"])[-1]
-
-
-_PROBLEM = _vulkan_problem()
+_PROBLEM = sapien_vulkan_problem()
 if _PROBLEM:
     pytest.skip(f"SAPIEN cannot create a Vulkan render device (set VK_ICD_FILENAMES): {_PROBLEM}",
                 allow_module_level=True)
@@ -66,72 +54,26 @@ def open_task(client, task, seed, **config):
     return sid, first
 
 
-# -- scripted solvers: each turn reads the true positions and answers up to two skills ----------
-def solve_place(s):
-    o, t = s["objects"], s["targets"]
-    yield answer(f"pick({xyz(o['cubeA'])})", f"place({xyz(t['goalA'], 30)})")
-    o, t = s_next(), s["targets"]
-    yield answer(f"pick({xyz(o['cubeB'])})", f"place({xyz(t['goalB'], 30)})")
-
-
-def solve_stack(s):
-    o = s["objects"]
-    yield answer(f"pick({xyz(o['red_cube'])})", f"place({xyz(o['green_cube'], 45)})")
-    o = s_next()
-    yield answer(f"pick({xyz(o['purple_cube'])})", f"place({xyz(o['red_cube'], 45)})")
-
-
-def solve_align(s):
-    o = s["objects"]
-    red, green = o["red_cube"], o["green_cube"]
-    yield answer(f"pick({xyz(red)})", f"place(0,{round(red[1])},30)")
-    o = s_next()
-    green = o["green_cube"]
-    yield answer(f"pick({xyz(green)})", f"place(0,{round(green[1])},30)")
-
-
-def solve_drawer(s):
-    o, t = s["objects"], s["targets"]
-    yield answer(f"pick({xyz(o['apple'])})", f"place({xyz(t['drawer'], 20)})")
-    t = s_next(targets=True)
-    handle = t["drawer_handle"]
-    # From in front of the handle, push the tray back in until its front is flush with the cabinet.
-    closed_handle_y = handle[1] - s_other()["drawer_open_value"]
-    yield answer(f"push({round(handle[0])},{round(handle[1] + 30)},{round(handle[2])},"
-                 f"{round(handle[0])},{round(closed_handle_y + 5)},{round(handle[2])})")
-
-
-_CURRENT = {}
-
-
-def s_next(targets=False):
-    s = truth(_CURRENT["client"], _CURRENT["sid"])
-    _CURRENT["state"] = s
-    return s["targets"] if targets else s["objects"]
-
-
-def s_other():
-    return _CURRENT["state"]["other"]
-
-
-SOLVERS = {"place": (solve_place, 3), "stack": (solve_stack, 4), "align": (solve_align, 0), "drawer": (solve_drawer, 2)}
+# The expert (envserve.client.experts) reads the true positions each turn and answers up to two
+# skills; these seeds are the layouts each task was first checked on.
+SOLVER_SEEDS = {"place": 3, "stack": 4, "align": 0, "drawer": 2}
 
 
 @pytest.mark.parametrize("task", ["place", "stack", "align", "drawer"])
 def test_scripted_solver_completes_task_by_motion(client, task):
-    solver, seed = SOLVERS[task]
-    sid, first = open_task(client, task, seed)
+    sid, first = open_task(client, task, SOLVER_SEEDS[task])
     start = truth(client, sid)
     assert start["task"] == task and start["stage"] == -1 and not start["success"]
     assert "Object positions:" in first.observation.text and "x_workspace_limit" in first.observation.text
     # The observation lists the positions in VAGEN's order, without names.
     listed = [tuple(round(v) for v in {**start["objects"], **start["targets"]}[n]) for n in start["position_order"]]
     assert str(listed) in first.observation.text
-    _CURRENT.update(client=client, sid=sid, state=start)
+    expert = PrimitiveSkillExpert()
     results = []
-    for text in solver(start):
-        r = client.step_one(sid, text)
-        assert r.action_valid, (text, r.feedback)
+    for _ in range(4):
+        move = expert.act(Truth.from_response(client.get_state(sid, -1)), 2)
+        r = client.step_one(sid, answer(*move.actions))
+        assert r.action_valid, (move.actions, r.feedback)
         results.append(r)
         if r.done:
             break

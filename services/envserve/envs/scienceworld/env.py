@@ -23,6 +23,8 @@ SPLIT_NAMES = ("L0", "L1", "L2")
 _NO_MATCH = "No known action matches that input."
 _AMBIGUOUS = "Ambiguous request"
 _LOCATION = re.compile(r"called the (.+?)\.")
+# A gold path answers the simulator's "which object did you mean?" question with a bare number.
+_CHOICE = re.compile(r"\d+")
 
 SYSTEM_PROMPT = """You are an agent in ScienceWorld, a text-based simulation of a house, a greenhouse, a workshop, a foundry and the outdoors, where you do elementary-school science tasks (boiling and melting substances, measuring temperatures, building electrical circuits, growing plants, mixing chemicals, genetics, friction on inclined planes...).
 Each observation starts with your task, then says what your last action did.
@@ -60,6 +62,7 @@ _DEFAULTS = {
     "simplifications": "",
     "reward_scale": 1.0,
     "heap_max_mb": 512,
+    "expert": False,
 }
 _DEFAULT_SPLITS = _tasks_by_split(frozenset(_DEFAULTS["heldout_tasks"].split(",")),
                                   {"L0": "train", "L1": "test", "L2": "test"})
@@ -91,6 +94,8 @@ class ScienceWorldEnv(Environment):
             "simplifications": "the package's simplification string, e.g. 'easy' or 'openDoors,teleportAction'",
             "reward_scale": "reward = scale * change of the task score (0-100)",
             "heap_max_mb": "maximum Java heap of the session's JVM (-Xmx), in MiB",
+            "expert": "load the task with the package's gold path: the state endpoint tells its next action "
+                      "(expert_action) and the rest of it (gold_path) while the episode follows it",
         },
         splits=tuple(Split(name, f"{_SPLIT_DOCS[name]}: {len(_DEFAULT_SPLITS[name])} (task, variation) pairs "
                                  f"with the default config, seeds from {k * SPLIT_STRIDE:.0e}",
@@ -128,6 +133,9 @@ class ScienceWorldEnv(Environment):
         self._done = self._success = False
         self._truth: GroundTruth | None = None
         self._valid: list[str] | None = None
+        self._gold: list[str] = []
+        self._gold_pos = 0
+        self._on_gold = False
 
     # -- the JVM -----------------------------------------------------------------------
     def _start_jvm(self) -> None:
@@ -196,7 +204,11 @@ class ScienceWorldEnv(Environment):
             self._lost = ""
             self._start_jvm()
         self._task = self.task_of_seed(int(seed or 0))
-        self._call("load", self._task[0], self._task[1], str(self.config["simplifications"]), False)
+        expert = bool(self.config["expert"])
+        self._call("load", self._task[0], self._task[1], str(self.config["simplifications"]), expert)
+        # Read before the first step: the path is planned from the loaded state.
+        self._gold = [str(a) for a in self._call("getGoldActionSequence")] if expert else []
+        self._gold_pos, self._on_gold = 0, expert
         # As the package's reset(): the first observation is a "look around" (it costs no move).
         self._obs = self._call("step", "look around")
         self._desc = self._call("getTaskDescription")
@@ -208,14 +220,17 @@ class ScienceWorldEnv(Environment):
         if self._done:
             return ActionOutcome(valid=False, feedback="The episode is over; reset the environment.")
         from py4j.protocol import Py4JJavaError
+        on_gold = self._follow_gold(action)
         try:
             obs = self._call("step", action)
             feedback = ""
             if obs.startswith(_AMBIGUOUS):
                 # The simulator asks which object was meant; take its first reading, as agents
-                # given one action per turn cannot answer the question.
+                # given one action per turn cannot answer the question. On the gold path, take
+                # the reading the path answers with, as its next entry.
                 feedback = "Ambiguous action; the first matching object was used."
-                obs = self._call("step", "0")
+                obs = self._call("step", self._gold_choice() if on_gold else "0")
+            self._skip_gold_choices()
         except Py4JJavaError as e:
             return ActionOutcome(valid=False, feedback=f"The simulator rejected {action!r}: {e.java_exception}")
         self._truth = self._valid = None
@@ -231,6 +246,33 @@ class ScienceWorldEnv(Environment):
         reward = self._scale * delta
         return ActionOutcome(reward=reward, done=self._done, success=self._success, feedback=feedback,
                              components={"score": reward}, info={"score": score})
+
+    # -- the gold path (config expert) ---------------------------------------------------
+    def _follow_gold(self, action: str) -> bool:
+        """Whether `action` is the gold path's next action; the first action off the path leaves it
+        for the rest of the episode (its later entries assume the states the path went through)."""
+        if not self._on_gold:
+            return False
+        pos = self._gold_pos
+        if pos < len(self._gold) and " ".join(action.lower().split()) == " ".join(self._gold[pos].lower().split()):
+            self._gold_pos = pos + 1
+            return True
+        self._on_gold = False
+        return False
+
+    def _gold_choice(self) -> str:
+        pos = self._gold_pos
+        if pos < len(self._gold) and _CHOICE.fullmatch(self._gold[pos].strip()):
+            self._gold_pos = pos + 1
+            return self._gold[pos].strip()
+        return "0"
+
+    def _skip_gold_choices(self) -> None:
+        # A number in the path answers an ambiguity question; where this simulator asked none
+        # (or step() already answered it), the number is not an action to take.
+        gold = self._gold
+        while self._on_gold and self._gold_pos < len(gold) and _CHOICE.fullmatch(gold[self._gold_pos].strip()):
+            self._gold_pos += 1
 
     # -- observations --------------------------------------------------------------------
     def render_text(self) -> str:
@@ -249,6 +291,10 @@ class ScienceWorldEnv(Environment):
                 "completed": self._success, "moves": int(self._call("getNumMoves")),
                 "goal_progress": self._call("getGoalProgressStr"),
             }
+            if self.config["expert"]:
+                on = self._on_gold and not self._done
+                state["expert_action"] = self._gold[self._gold_pos] if on and self._gold_pos < len(self._gold) else ""
+                state["gold_path"] = list(self._gold[self._gold_pos:]) if on else []
             relations = [f"the agent is in the {location}"] + [f"the agent has {i}" for i in items]
             self._truth = GroundTruth(state, relations)
         return self._truth
