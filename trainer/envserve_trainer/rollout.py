@@ -154,7 +154,9 @@ class RolloutEngine:
             policy_task: asyncio.Task | None = None
             try:
                 while any(not r.finished for r in runs):
-                    if policy_task is None and ready:
+                    # Start the policy on what is ready, unless fewer than min_batch are and more
+                    # env results are still on their way (then they join this call).
+                    if policy_task is None and ready and (len(ready) >= ro.min_batch or not by_tag):
                         # One kind per call (acting and reflecting differ in length); the rest wait.
                         kind = ready[0][1]
                         batch, rest = [], deque()

@@ -55,6 +55,17 @@ class Connection:
         from envserve.client.aio import AsyncEnvClient
         return AsyncEnvClient(self.env_address, token=self.token)
 
+    def sync_client(self):
+        """A blocking client (EnvClient or RoutedClient), for the few calls made outside the rollout
+        loop (the random-init tokenizer's corpus)."""
+        if self.directory:
+            from envserve.client import RoutedClient
+            return RoutedClient(self.directory, token=self.token)
+        if not self.env_address:
+            raise ValueError("give an env address (--env-address) or a directory (--directory)")
+        from envserve.client import EnvClient
+        return EnvClient(self.env_address, token=self.token)
+
     def judge_client(self):
         if not self.judge_address:
             return None
@@ -73,14 +84,25 @@ def allowed_token_ids(tokenizer, words: Sequence[str], max_new_tokens: int = 2) 
     return sorted(ids)
 
 
-def build_policy_model(cfg: TrainConfig, device: str):
-    """(model, tokenizer): the configured pretrained model, or the small random-weight one."""
-    from .model import build_small_model, build_tokenizer, load_small
-    if cfg.model.path:
-        model, tok = load_small(cfg.model.path, device)
-        return model, tok
-    tok = build_tokenizer()
-    return build_small_model(tok, cfg.model.size, seed=cfg.model.seed).to(device), tok
+def build_policy_model(cfg: TrainConfig, device: str, connection: "Connection | None" = None):
+    """(model, tokenizer): the configured pretrained model, or with model.random_init a random-weight
+    one whose tokenizer is built from the training env's texts, read through `connection`."""
+    from .pretrained import load_pretrained, train_top_layers
+    m = cfg.model
+    if not m.random_init:
+        model, tok = load_pretrained(m.path, device, m.dtype, m.gguf_file)
+    else:
+        from .model import build_small_model, build_tokenizer, corpus_from_envs
+        if connection is None:
+            raise ValueError("model.random_init builds its tokenizer from the env's texts: it needs a connection")
+        client = connection.sync_client()
+        try:
+            tok = build_tokenizer(corpus_from_envs(client, (cfg.env.env_id,)))
+        finally:
+            client.close()
+        model = build_small_model(tok, m.random_init, seed=m.seed).to(device)
+    train_top_layers(model, m.trainable_layers)
+    return model, tok
 
 
 def task_schedule(cfg: TrainConfig, iteration: int) -> list[Task]:
@@ -142,20 +164,20 @@ class Trainer:
         if cfg.model.backend != "hf":
             raise ValueError(f"training needs a trainable backend: model.backend {cfg.model.backend!r} only "
                              f"serves rollouts and evaluation (use hf; vllm rollouts: see README)")
-        model, self.tokenizer = build_policy_model(cfg, self.device)
+        model, self.tokenizer = build_policy_model(cfg, self.device, connection)
         self.allowed_ids = allowed_token_ids(self.tokenizer, cfg.rollout.allowed_words, cfg.rollout.max_new_tokens)
-        from .model import load_small, save_small
+        from .pretrained import load_pretrained, save_model
         reference = None
         if cfg.update.kl_coef > 0:
             ref_dir = self.out / REFERENCE_DIR
             # The reference is the starting policy; a resumed run must keep the original one.
             if resume and ref_dir.exists():
-                reference, _ = load_small(ref_dir, self.device)
+                reference, _ = load_pretrained(str(ref_dir), self.device, cfg.model.dtype)
             else:
                 import copy
                 reference = copy.deepcopy(model)
                 if self.dist.is_main:
-                    save_small(ref_dir, reference, self.tokenizer)
+                    save_model(ref_dir, reference, self.tokenizer)
         from .policy.hf import HFPolicy
         from .policy.hf import vocabulary_mask
         allowed = vocabulary_mask(self.allowed_ids, int(model.config.vocab_size))
@@ -262,25 +284,42 @@ class Trainer:
         self.dist.close()
 
 
-async def evaluate_checkpoint(cfg: TrainConfig, checkpoint: str | Path | None, connection: Connection,
-                              device: str = "cpu", policy=None, tokenizer=None) -> dict[str, Any]:
-    """Evaluate a saved policy (or a given one: e.g. the openai backend) on the configured tasks."""
-    if policy is None:
-        from .model import load_small
-        from .policy.hf import HFPolicy
-        model, tokenizer = load_small(Path(checkpoint) / "policy" if (Path(checkpoint) / "policy").exists()
-                                      else checkpoint, device)
-        policy = HFPolicy(model, tokenizer, allowed_token_ids=allowed_token_ids(tokenizer, cfg.rollout.allowed_words,
-                                                                             cfg.rollout.max_new_tokens))
+def policy_folder(checkpoint: str | Path) -> str:
+    """The model folder of a checkpoint-N directory (its policy/), or the folder itself."""
+    inner = Path(checkpoint) / "policy"
+    return str(inner if inner.exists() else checkpoint)
+
+
+async def evaluate_policy(cfg: TrainConfig, policy, tokenizer, connection: Connection,
+                          temperature: float | None = None, samples: int | None = None,
+                          task_sets: Sequence[str] | None = None) -> dict[str, Any]:
+    """Plays the config's evaluation task sets (all, or those named) with `policy` through the service:
+    a summary per set. Temperature and samples per task default to run.eval_temperature/eval_samples."""
     client = connection.env_client()
     engine = RolloutEngine(client, policy, tokenizer, cfg, seed=cfg.run.seed)
     out: dict[str, Any] = {}
     try:
         for name, tasks in eval_task_sets(cfg).items():
-            trials = await engine.collect(tasks, cfg.run.eval_samples, iteration=-1,
-                                          temperature=cfg.run.eval_temperature)
+            if task_sets is not None and name not in task_sets:
+                continue
+            trials = await engine.collect(tasks, cfg.run.eval_samples if samples is None else samples, iteration=-1,
+                                          temperature=cfg.run.eval_temperature if temperature is None else temperature)
             out[name] = summarize(trials)
     finally:
         await engine.close()
         await client.close()
     return out
+
+
+async def evaluate_checkpoint(cfg: TrainConfig, checkpoint: str | Path | None, connection: Connection,
+                              device: str = "cpu", policy=None, tokenizer=None) -> dict[str, Any]:
+    """Evaluate a saved policy, the config's model (no checkpoint), or a given policy (e.g. the
+    openai backend) on the configured tasks."""
+    if policy is None:
+        from .pretrained import load_pretrained
+        from .policy.hf import HFPolicy
+        model, tokenizer = load_pretrained(policy_folder(checkpoint) if checkpoint else cfg.model.path, device,
+                                           cfg.model.dtype, "" if checkpoint else cfg.model.gguf_file)
+        policy = HFPolicy(model, tokenizer, allowed_token_ids=allowed_token_ids(tokenizer, cfg.rollout.allowed_words,
+                                                                             cfg.rollout.max_new_tokens))
+    return await evaluate_policy(cfg, policy, tokenizer, connection)

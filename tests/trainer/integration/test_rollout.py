@@ -9,7 +9,7 @@ from serverproc import ServerProcess
 
 from envserve.client.aio import AsyncEnvClient
 from envserve_trainer.config import TrainConfig
-from envserve_trainer.model import build_small_model, build_tokenizer
+from envserve_trainer.model import build_small_model
 from envserve_trainer.policy.hf import HFPolicy
 from envserve_trainer.prompting import MEMORY_HEADER
 from envserve_trainer.rollout import RolloutEngine, Task
@@ -22,8 +22,8 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
+def tok(grid_tokenizer):
+    return grid_tokenizer
 
 
 def _policy(tok, words=("Left", "Down", "Right", "Up"), seed=0):

@@ -17,7 +17,8 @@ from serverproc import ServerProcess
 
 from envserve_trainer.config import TrainConfig
 from envserve_trainer.learner import checkpoints, latest_checkpoint
-from envserve_trainer.model import load_small, weights_digest
+from envserve_trainer.model import weights_digest
+from envserve_trainer.pretrained import load_pretrained
 from envserve_trainer.train import Connection, Trainer
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -29,6 +30,7 @@ FROZENLAKE_GRPO = {
                 "allowed_words": ["Left", "Down", "Right", "Up"]},
     "algo": {"estimator": "grpo"},
     "update": {"lr": 1e-3, "micro_batch_size": 16},
+    "model": {"random_init": "tiny"},
     "run": {"iterations": 2, "checkpoint_every": 1, "keep_checkpoints": 2, "progress": False},
 }
 
@@ -67,9 +69,9 @@ def test_two_grpo_iterations_learn_save_reload_and_resume(server, tmp_path):
     # The newest checkpoint holds exactly the trained weights; the reference is the starting model.
     ckpt = latest_checkpoint(tmp_path)
     assert ckpt.name == "checkpoint-2" and [p.name for p in checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-2"]
-    model, _ = load_small(ckpt / "policy")
+    model, _ = load_pretrained(str(ckpt / "policy"))
     assert weights_digest(model) == trained
-    reference, _ = load_small(tmp_path / "reference")
+    reference, _ = load_pretrained(str(tmp_path / "reference"))
     assert weights_digest(reference) == start
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -182,8 +184,8 @@ def test_torchrun_two_cpu_processes_train_and_resume(server, tmp_path, strategy)
     assert r.returncode == 0, r.stderr[-3000:]
     [record] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert record["train"]["trials"] == 8 and record["train"]["groups"] == 4   # both ranks' halves
-    first = weights_digest(load_small(out / "checkpoint-1" / "policy")[0])
+    first = weights_digest(load_pretrained(str(out / "checkpoint-1" / "policy"))[0])
     r = subprocess.run(base + ["--resume", "--iterations", "2"], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stderr and (out / "checkpoint-2").exists()
-    assert weights_digest(load_small(out / "checkpoint-2" / "policy")[0]) != first
+    assert weights_digest(load_pretrained(str(out / "checkpoint-2" / "policy"))[0]) != first

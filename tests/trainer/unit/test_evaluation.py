@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from envserve_trainer.evaluation import (EvalConfig, MetricsLog, Progress, entropy_nats, episode_success_rate,
-                                         group_pass_at_k, group_pass_at_ks, invalid_action_rate, mean_score,
+                                         format_error_rate, group_pass_at_k, group_pass_at_ks, invalid_action_rate, mean_score,
                                          mean_turns, pass_at_k_episodes, pass_at_k_unbiased, read_metrics,
                                          repeated_turns, repetitive_action_rate, success_by_episode, success_rate,
                                          summarize, tqdm_available, trajectory_diversity)
@@ -64,6 +64,16 @@ def test_success_score_turns_and_invalid_rate_by_hand():
     assert mean_score(ts) == pytest.approx((1.0 - 0.2 + 0.0) / 3)  # 0.26667
     assert mean_turns(ts) == pytest.approx((2 + 3 + 0) / 3)    # 5/3
     assert invalid_action_rate(ts) == pytest.approx(2 / 5)     # 2 invalid of 5 turns; the empty episode adds none
+
+
+def test_format_errors_are_the_turns_that_did_not_parse():
+    # An unparsed answer runs no action (a format error, also invalid); a parsed but impossible move is
+    # invalid without being a format error.
+    ts = [trial(episode([turn("x", valid=False), turn("Jump", valid=False, parsed=["Jump"]),
+                         turn("Up", parsed=["Up"]), turn("Up", parsed=["Up"])]))]
+    assert format_error_rate(ts) == pytest.approx(1 / 4)
+    assert invalid_action_rate(ts) == pytest.approx(2 / 4)
+    assert format_error_rate([]) is None
 
 
 def test_which_episode_decides_a_trials_success():

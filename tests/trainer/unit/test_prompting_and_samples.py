@@ -1,11 +1,10 @@
-"""Token-carrying contexts and the estimator wiring, on hand-made trials (no server needed)."""
+"""Token-carrying contexts and the estimator wiring, on hand-made trials (the tokenizer is read from the grid envs)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from envserve_trainer.config import TrainConfig
-from envserve_trainer.model import build_tokenizer
 from envserve_trainer.prompting import ChatLayout, ContextBuilder
 from envserve_trainer.rollout import remark_of, turn_seed
 from envserve_trainer.samples import build_samples, turn_reward
@@ -13,8 +12,8 @@ from envserve_trainer.trajectory import Episode, Trial, Turn
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
+def tok(grid_tokenizer):
+    return grid_tokenizer
 
 
 def test_blocks_concatenate_to_the_chat_templates_rendering(tok):

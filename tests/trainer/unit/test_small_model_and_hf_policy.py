@@ -1,10 +1,9 @@
-"""The small CPU model, its restricted tokenizer, and the transformers policy backend."""
+"""The small random-weight model, its restricted tokenizer, and the transformers policy backend."""
 from __future__ import annotations
 
+import ast
 import math
-import os
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,9 +12,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from envserve.core.session import Session  # noqa: E402  (tests may read the envs directly)
+from envserve.client import EnvClient  # noqa: E402
 from envserve_trainer.model import (IM_END, IM_START, TAGS, build_small_model, build_tokenizer,  # noqa: E402
-                                    corpus_from_envs, count_parameters, load_small, save_small,
-                                    vocabulary_words, weights_digest)
+                                    corpus_from_envs, count_parameters, vocabulary_words, weights_digest)
+from envserve_trainer.pretrained import load_pretrained, save_model  # noqa: E402
 from envserve_trainer.policy import Generation, Policy  # noqa: E402
 from envserve_trainer.policy.hf import HFPolicy, nucleus, sequence_logprobs  # noqa: E402
 
@@ -26,8 +26,9 @@ SHORT_PROMPT = [{"role": "user", "content": "Up"}]
 
 
 @pytest.fixture(scope="module")
-def corpus():
-    return corpus_from_envs()
+def corpus(grid_server):
+    with EnvClient(grid_server.address) as c:
+        return corpus_from_envs(c)
 
 
 @pytest.fixture(scope="module")
@@ -112,19 +113,29 @@ def test_chat_template_renders_qwen_style(tok):
     assert tok.eos_token == IM_END and tokens.count(IM_END) == 2 and tok.bos_token is None
 
 
-def test_corpus_through_the_client_equals_the_local_one(client, corpus):
-    # The same walks (same seeds, same walk rng) through a real server give the same texts.
-    assert corpus_from_envs(client=client) == corpus
+def test_corpus_is_the_same_on_every_read(grid_server, corpus):
+    # The walks are seeded (env seeds and the walk rng): a second read through the service is identical,
+    # so a random-init run rebuilds the same vocabulary in any process.
+    with EnvClient(grid_server.address) as c:
+        assert corpus_from_envs(c) == corpus
 
 
-def test_trainer_modules_do_not_import_the_env_side():
-    # The trainer reaches environments through envserve.client; only corpus_from_envs without a client
-    # opens local sessions, and it imports them when called, not when the module loads.
-    code = ("import sys, envserve_trainer.model, envserve_trainer.policy.hf; "
-            "print(sorted(m for m in sys.modules if m.startswith(('envserve.core', 'envserve.envs', 'envserve.server'))))")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-    assert out.stdout.strip() == "[]"
+TRAINER_SOURCE = Path(__file__).resolve().parents[3] / "trainer" / "envserve_trainer"
+
+
+def test_trainer_reaches_envserve_only_through_the_client():
+    # Every import of envserve in the trainer, at module level or inside a function, is envserve.client
+    # (or below it): environments, server and core stay on the other side of the wire.
+    seen = []
+    for path in sorted(TRAINER_SOURCE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            for name in names:
+                if name == "envserve" or name.startswith("envserve."):
+                    seen.append((path.name, name))
+    assert seen, "the trainer imports the client somewhere"
+    assert [x for x in seen if not (x[1] == "envserve.client" or x[1].startswith("envserve.client."))] == []
 
 
 # -- model ----------------------------------------------------------------------------------------
@@ -275,15 +286,15 @@ def test_update_weights_from_state_dict_and_directory(tok, model, tmp_path):
     assert [g.completion_token_ids for g in other.generate(prompts, 12, temperature=0.0)] == reference
 
     third = HFPolicy(build_small_model(tok, "tiny", seed=10), tok)
-    third.update_weights(save_small(tmp_path / "m", model, tok))
+    third.update_weights(save_model(tmp_path / "m", model, tok))
     assert weights_digest(third.model) == weights_digest(model)
     with pytest.raises(ValueError, match="do not fit"):
         third.update_weights({"not.a.weight": torch.zeros(1)})
 
 
 def test_save_load_round_trip(tok, model, tmp_path):
-    path = save_small(tmp_path / "small", model, tok)
-    loaded, tok2 = load_small(path)
+    path = save_model(tmp_path / "small", model, tok)
+    loaded, tok2 = load_pretrained(str(path))
     # what any other loader gets (vLLM, transformers serve): AutoTokenizer picks Qwen2Tokenizer for qwen2
     from transformers import AutoTokenizer
     auto = AutoTokenizer.from_pretrained(path)
@@ -311,3 +322,47 @@ def test_generate_restores_training_mode(tok):
     m = build_small_model(tok, "tiny", seed=0).train()
     HFPolicy(m, tok).generate([SHORT_PROMPT], 3, seed=0)
     assert m.training
+
+
+# -- a shared prefix computed once --------------------------------------------------------------------
+def _long_prompts(tok) -> list[list[int]]:
+    # One system block (the env's rules, well over MIN_SHARED_PREFIX tokens) before different boards.
+    system = _env_texts("sokoban")[0]
+    boards = _env_texts("frozenlake", seeds=(1, 2, 3, 4))[1:]
+    return [tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": b + "x" * i}],
+                                    add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+            for i, b in enumerate(boards)]
+
+
+def test_shared_prefix_length_stops_where_prompts_differ_and_keeps_a_token_each(tok):
+    from envserve_trainer.policy.hf import MIN_SHARED_PREFIX, shared_prefix_length
+    prompts = _long_prompts(tok)
+    n = shared_prefix_length(prompts)
+    assert n >= MIN_SHARED_PREFIX
+    assert all(p[:n] == prompts[0][:n] for p in prompts) and len({p[n] for p in prompts}) > 1
+    assert shared_prefix_length([prompts[0], prompts[0]]) == len(prompts[0]) - 1
+    assert shared_prefix_length(prompts[:1]) == 0                       # a single row: nothing to share
+    assert shared_prefix_length([[1] * 10 + [2], [1] * 10 + [3]]) == 0    # too short to pay off
+
+
+def test_shared_prefix_gives_the_same_samples_logprobs_and_gradients(tok, model):
+    prompts = _long_prompts(tok)
+    shared, plain = HFPolicy(model, tok, share_prefix=True), HFPolicy(model, tok, share_prefix=False)
+    for temperature in (0.0, 1.0):
+        a = shared.generate_from_ids(prompts, 12, temperature=temperature, seed=5)
+        b = plain.generate_from_ids(prompts, 12, temperature=temperature, seed=5)
+        assert [g.completion_token_ids for g in a] == [g.completion_token_ids for g in b]
+        for x, y in zip(a, b):
+            assert x.completion_logprobs == pytest.approx(y.completion_logprobs, abs=1e-4)
+    completions = [g.completion_token_ids for g in a]
+    grads = []
+    for share in (True, False):
+        model.zero_grad(set_to_none=True)
+        logp, mask = sequence_logprobs(model, prompts, completions, share_prefix=share)
+        (-logp.sum()).backward()
+        grads.append((logp.detach(), model.model.layers[0].self_attn.q_proj.weight.grad.clone()))
+    model.zero_grad(set_to_none=True)
+    assert torch.allclose(grads[0][0], grads[1][0], atol=1e-4)
+    # the prefix's gradient reaches the first layer once per row, as in the plain layout
+    assert torch.allclose(grads[0][1], grads[1][1], atol=1e-4, rtol=1e-3)
+    assert grads[0][1].abs().sum() > 0

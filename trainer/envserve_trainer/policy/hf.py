@@ -6,6 +6,13 @@ so the same seed gives the same completions and a row's draws do not depend on h
 rows run. The update recomputes log-probabilities with sequence_logprobs, which lays the tokens out
 exactly as generation does (same padding, same positions), so at the same temperature it reproduces
 the sampler's log-probabilities.
+
+Shared prefix: the prompts of a batch usually begin with the same system block (the env's rules,
+hundreds of tokens, against tens for an observation). Generation and scoring compute that prefix
+once, as a batch of one, and give every row its keys and values; each row's own tokens follow,
+left-padded after the prefix. The result is the same distribution as the plain layout (attention
+sees the same tokens at the same positions) at a fraction of the cost. Under autograd the prefix's
+gradients add up over the rows through the repeat, so training on it is exact too.
 """
 from __future__ import annotations
 
@@ -75,12 +82,49 @@ def vocabulary_mask(allowed_token_ids: Sequence[int] | None, vocab_size: int) ->
     return mask
 
 
+# A common prefix shorter than this is not worth a forward pass of its own.
+MIN_SHARED_PREFIX = 32
+
+
+def shared_prefix_length(prompt_ids: Sequence[Sequence[int]], minimum: int = MIN_SHARED_PREFIX) -> int:
+    """How many leading tokens all prompts share, leaving every prompt at least its last token (whose
+    logits start the completion); 0 for a single row or a prefix shorter than `minimum`."""
+    if len(prompt_ids) < 2:
+        return 0
+    first, limit = prompt_ids[0], min(len(p) for p in prompt_ids) - 1
+    n = 0
+    while n < limit and all(p[n] == first[n] for p in prompt_ids):
+        n += 1
+    return n if n >= minimum else 0
+
+
+def prefix_cache(model, prefix: Sequence[int], batch: int):
+    """The key/value cache of `prefix` computed once and repeated for `batch` rows (None when empty)."""
+    if not prefix:
+        return None
+    device = _device(model)
+    ids = torch.as_tensor([list(prefix)], dtype=torch.long, device=device)
+    out = model(input_ids=ids, position_ids=torch.arange(len(prefix), device=device).unsqueeze(0),
+                use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(batch)
+    return cache
+
+
+def with_prefix(mask: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    """The attention mask over the shared prefix and the rows' own tokens."""
+    if not prefix_len:
+        return mask
+    return torch.cat([torch.ones((mask.shape[0], prefix_len), dtype=mask.dtype, device=mask.device), mask], 1)
+
+
 def scoring_layout(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], pad: int,
-                   device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   device, prefix_len: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids, attention mask, completion mask) on `device`: prompts left-padded, completions
-    right-padded after them, as generation lays them out; the completion mask is [B, C]."""
+    right-padded after them, as generation lays them out; the completion mask is [B, C]. With
+    `prefix_len`, the ids leave out the shared prefix and the mask covers it (ones in front)."""
     width = max((len(c) for c in completion_ids), default=0)
-    prompt, prompt_mask = left_pad(prompt_ids, pad)
+    prompt, prompt_mask = left_pad([p[prefix_len:] for p in prompt_ids], pad)
     completion = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
     completion_mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
     for i, c in enumerate(completion_ids):
@@ -88,13 +132,14 @@ def scoring_layout(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence
             completion[i, :len(c)] = torch.as_tensor(list(c), dtype=torch.long)
             completion_mask[i, :len(c)] = 1
     ids = torch.cat([prompt, completion], 1).to(device)
-    mask = torch.cat([prompt_mask, completion_mask], 1).to(device)
+    mask = with_prefix(torch.cat([prompt_mask, completion_mask], 1), prefix_len).to(device)
     return ids, mask, completion_mask.to(device)
 
 
 def sequence_logprobs(model, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
                       temperature: float = 1.0, pad_token_id: int | None = None,
-                      allowed: torch.Tensor | None = None, return_entropy: bool = False):
+                      allowed: torch.Tensor | None = None, return_entropy: bool = False,
+                      share_prefix: bool = True):
     """Per-token log-probabilities of each completion given its prompt, in one padded forward pass.
 
     Returns (logprobs, mask) (and the per-token entropy with return_entropy), [B, C] with C the
@@ -102,7 +147,8 @@ def sequence_logprobs(model, prompt_ids: Sequence[Sequence[int]], completion_ids
     log p(completion_ids[i][j] | prompt, earlier completion tokens) under softmax(logits / temperature),
     0 where mask is False (past the end of row i). Gradients flow (call under torch.no_grad() for
     reference or old-policy scores). Prompts are left-padded and completions right-padded after them,
-    the layout generation uses, with positions counting real tokens only.
+    the layout generation uses, with positions counting real tokens only; a prefix all prompts share
+    is computed once (`share_prefix`, as generation does).
     """
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
@@ -115,11 +161,14 @@ def sequence_logprobs(model, prompt_ids: Sequence[Sequence[int]], completion_ids
     if width == 0:
         empty = (torch.zeros((batch, 0), device=device), torch.zeros((batch, 0), dtype=torch.bool, device=device))
         return empty + (torch.zeros((batch, 0), device=device),) if return_entropy else empty
-    ids, mask, completion_mask = scoring_layout(prompt_ids, completion_ids, _pad_id(model, pad_token_id), device)
+    shared = shared_prefix_length(prompt_ids) if share_prefix else 0
+    ids, mask, completion_mask = scoring_layout(prompt_ids, completion_ids, _pad_id(model, pad_token_id), device,
+                                                shared)
+    cache = prefix_cache(model, prompt_ids[0][:shared], batch)
     # Only the last width + 1 positions need logits: the last prompt token predicts the first
     # completion token, and the last completion token predicts nothing we score.
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False,
-                logits_to_keep=width + 1)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)[:, shared:],
+                past_key_values=cache, use_cache=cache is not None, logits_to_keep=width + 1)
     logits = out.logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -173,8 +222,9 @@ class HFPolicy:
     """
 
     def __init__(self, model, tokenizer, device: str | torch.device | None = None,
-                 allowed_token_ids: Sequence[int] | None = None):
+                 allowed_token_ids: Sequence[int] | None = None, share_prefix: bool = True):
         self.model = model.to(device) if device is not None else model
+        self.share_prefix = share_prefix
         self.tokenizer = tokenizer
         self.device = _device(self.model)
         # A restricted vocabulary (None: all tokens); the trainer scores with the same mask.
@@ -231,13 +281,16 @@ class HFPolicy:
         logps: list[list[float]] = [[] for _ in range(batch)]
         finish: list[str | None] = [None] * batch
 
-        ids, mask = left_pad(prompt_ids, self.pad_token_id)
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = positions(mask)
+        shared = shared_prefix_length(prompt_ids) if self.share_prefix else 0
+        ids, mask = left_pad([p[shared:] for p in prompt_ids], self.pad_token_id)
+        ids, mask = ids.to(self.device), with_prefix(mask, shared).to(self.device)
+        pos = positions(mask)[:, shared:]
         was_training = model.training
         model.eval()
         try:
-            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+            cache = prefix_cache(model, prompt_ids[0][:shared], batch)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                        logits_to_keep=1)
             next_pos = pos[:, -1:] + 1
             for step in range(max_new_tokens):
                 active = [i for i in range(batch) if finish[i] is None]

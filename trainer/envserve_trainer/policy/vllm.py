@@ -45,7 +45,7 @@ INSTALL_HINT = ("the vllm policy backend needs vLLM: `pip install 'envserve-trai
 
 @dataclass(frozen=True)
 class VLLMPolicyConfig:
-    # A save_pretrained directory (model and tokenizer), e.g. one written by model.save_small.
+    # A save_pretrained directory (model and tokenizer), e.g. one written by pretrained.save_model.
     model: str = ""
     # "auto" keeps the checkpoint's dtype; "float32" makes CPU log-probabilities comparable to hf's.
     dtype: str = "auto"
