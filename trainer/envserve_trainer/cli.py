@@ -1,8 +1,13 @@
-"""`envserve-train`: train a policy on envserve environments, or evaluate a checkpoint.
+"""`envserve-train`: collect expert demonstrations, fine-tune on them, train with RL and evaluate, all
+through envserve's gRPC API.
 
+    envserve-train collect --config FILE (--env-address HOST:PORT | --directory redis://...) --out demos.jsonl
+                           [--episodes N] [--seed-start S] [--expert NAME] [--append]
+    envserve-train sft   --config FILE --data demos.jsonl [--data ...] [--env-address ... | --directory ...]
+                         [--output-dir DIR] [--resume] [--max-steps N]
     envserve-train train --config FILE (--env-address HOST:PORT | --directory redis://...) [--output-dir DIR]
                          [--judge-address HOST:PORT] [--iterations N] [--resume] [--device cpu|cuda]
-    envserve-train eval  --config FILE --checkpoint DIR (--env-address ... | --directory ...) [--json OUT]
+    envserve-train eval  --config FILE [--checkpoint DIR] (--env-address ... | --directory ...) [--json OUT]
 
 Under torchrun (`torchrun --nproc-per-node N -m envserve_trainer train ...`) each process takes its
 share of the task groups and DDP/FSDP averages the gradients.
@@ -55,7 +60,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="envserve-train", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="envserve-train", description=" ".join(__doc__.split("\n\n")[0].split()))
     sub = parser.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="train with RL through the envserve gRPC API")
     _common(tr)
@@ -66,11 +71,24 @@ def main(argv=None) -> int:
     tr.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
     ev = sub.add_parser("eval", help="evaluate a checkpoint (or the config's model) and print JSON")
     _common(ev)
-    ev.add_argument("--checkpoint", default="", help="a checkpoint-N directory (or a save_pretrained one)")
+    ev.add_argument("--checkpoint", default="", help="a checkpoint-N directory or an HF folder "
+                                                     "(default: the config's model.path)")
     ev.add_argument("--json", default="", help="also write the summary to this file")
+    sf = sub.add_parser("sft", help="supervised fine-tuning on demonstrations (collect's JSONL)")
+    _common(sf)
+    sf.add_argument("--data", action="append", required=True, help="a demonstrations JSONL file (repeatable)")
+    sf.add_argument("--output-dir", default="runs/sft", help="checkpoints and metrics.jsonl")
+    sf.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
+    sf.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    from .collect import add_collect_parser, run_collect
+    add_collect_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "collect":
+        return run_collect(args)
     cfg = _config(args.config)
+    if args.command == "sft":
+        return _sft(cfg, args)
     conn = _connection(args)
     if args.command == "train":
         from .train import Trainer
@@ -90,22 +108,37 @@ def main(argv=None) -> int:
     policy = tokenizer = None
     if cfg.model.backend == "openai":
         # A served model: rollouts send token-id prompts to /completions (vLLM, SGLang accept them),
-        # built with the served model's tokenizer (model.path) or the small model's.
-        from .model import build_tokenizer
+        # built with the served model's own tokenizer (model.path: its folder, GGUF file or package).
+        from .pretrained import load_tokenizer
         from .policy.openai import OpenAIPolicy
-        if cfg.model.path:
-            from transformers import AutoTokenizer
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        else:
-            tokenizer = build_tokenizer()
+        tokenizer = load_tokenizer(cfg.model.path, cfg.model.gguf_file)
         policy = OpenAIPolicy({"base_url": cfg.model.base_url, "model": cfg.model.model_name})
-    elif not args.checkpoint:
-        raise SystemExit("envserve-train eval: give --checkpoint (or model.backend: openai)")
+    elif not args.checkpoint and cfg.model.random_init:
+        raise SystemExit("envserve-train eval: a random-init model needs --checkpoint")
     summary = asyncio.run(evaluate_checkpoint(cfg, args.checkpoint, conn, args.device, policy, tokenizer))
     text = json.dumps(summary, indent=1, default=str)
     if args.json:
         Path(args.json).write_text(text)
     print(text)
+    return 0
+
+
+def _sft(cfg: TrainConfig, args) -> int:
+    from .sft import SFTTrainer
+    # The service is optional here: without one, SFT trains without evaluating after each epoch.
+    conn = _connection(args) if (args.env_address or args.directory) else None
+    missing = [d for d in args.data if not Path(d).exists()]
+    if missing:
+        raise SystemExit(f"envserve-train sft: no data file {missing[0]!r}")
+    try:
+        trainer = SFTTrainer(cfg, args.output_dir, args.data, conn, device=args.device, resume=args.resume)
+    except ValueError as e:
+        raise SystemExit(f"envserve-train sft: {e}") from None
+    records = trainer.run(args.max_steps)
+    if records:
+        last = records[-1]
+        print(json.dumps({"step": last["iteration"], "sft": last["sft"],
+                          **({"eval": last["eval"]} if "eval" in last else {})}, default=str))
     return 0
 
 
