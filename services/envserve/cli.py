@@ -125,7 +125,8 @@ def cmd_web(args) -> int:
         from envserve.server.auth import read_tokens
         token = (read_tokens(args.monitor_token_file) or ("",))[0]
     app = create_app(directory_url=args.directory, replicas=args.replica, root_certificates=root,
-                     use_external=args.external, monitor_token=token or None, timeout=args.timeout)
+                     use_external=args.external, monitor_token=token or None, timeout=args.timeout,
+                     openenv_idle_seconds=args.openenv_idle_seconds)
     sources = ([f"directory {args.directory}"] if args.directory else []) + list(args.replica)
     serve(app, args.host, args.port, announce=f" over {', '.join(sources)}")
     return 0
@@ -296,6 +297,9 @@ def main(argv=None) -> int:
     p.add_argument("--monitor-token-file", default="",
                    help="token the page watches sessions with when a request brings none [$ENVSERVE_MONITOR_TOKEN]")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per gRPC call")
+    p.add_argument("--openenv-idle-seconds", type=float, default=300.0,
+                   help="OpenEnv endpoint (/openenv/<env>/): close sessions opened over plain HTTP after this "
+                        "many seconds without a call (WebSocket sessions close with their socket)")
     p.set_defaults(fn=cmd_web)
     p = sub.add_parser("judge", help="score agents' grounding and world modelling against ground truth")
     env = os.environ.get

@@ -22,9 +22,10 @@ from google.protobuf import json_format
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from envserve.client._requests import get_state_request
-from envserve.directory import ReplicaInfo, replica_of
+from envserve.directory import ReplicaInfo
 from envserve.v1 import envserve_pb2 as pb
 
+from .gateway import ApiError, Gateway, status_failure, step_failure
 from .page import PAGE
 from .routing import ReplicaTable
 
@@ -46,12 +47,6 @@ _CODE_OF_HTTP = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNA
                  429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
 _BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
 MAX_BODY_BYTES = 64 * 1024 * 1024  # as the replicas' max gRPC message
-
-
-class ApiError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
 
 
 def error_response(code: grpc.StatusCode, message: str) -> JSONResponse:
@@ -91,19 +86,29 @@ def _forwarded(request: Request) -> tuple:
 
 def create_app(directory_url: str = "", replicas=(), root_certificates: bytes | None = None,
                use_external: bool = False, monitor_token: str | None = None, timeout: float = 60.0,
-               refresh_seconds: float = 1.0) -> FastAPI:
+               refresh_seconds: float = 1.0, openenv: bool = True, openenv_idle_seconds: float = 300.0) -> FastAPI:
     """monitor_token: used toward MonitorService when a request brings no Authorization header,
-    so the page (a browser sends no bearer token) can watch replicas that require one."""
+    so the page (a browser sends no bearer token) can watch replicas that require one.
+    openenv: also serve OpenEnv's protocol under /openenv/<env_id>/ (openenv.py); sessions opened
+    there over plain HTTP (no WebSocket) are closed after openenv_idle_seconds without a call."""
     table = ReplicaTable(directory_url, replicas, root_certificates, use_external, refresh_seconds, timeout)
+    gateway = Gateway(table, timeout)
 
     @asynccontextmanager
     async def lifespan(app):
         yield
-        await table.close()
+        if app.state.openenv is not None:
+            await app.state.openenv.close_all()
+        await gateway.close()
 
     app = FastAPI(title="envserve", summary="HTTP/JSON facade over the envserve.v1 gRPC services",
                   lifespan=lifespan)
     app.state.replicas = table
+    app.state.gateway = gateway
+    app.state.openenv = None
+    if openenv:
+        from .openenv import mount_openenv
+        app.state.openenv = mount_openenv(app, gateway, idle_seconds=openenv_idle_seconds)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
@@ -124,77 +129,7 @@ def create_app(directory_url: str = "", replicas=(), root_certificates: bytes | 
         return JSONResponse({"code": code.name, "message": str(e.detail)}, status_code=e.status_code)
 
     # -- helpers ------------------------------------------------------------------------------------
-    async def not_served(env_id: str, md) -> ApiError | grpc.RpcError:
-        """No known replica serves env_id. When a fixed replica could not be asked, its answer
-        (e.g. UNAUTHENTICATED without a token) says more than NOT_FOUND could."""
-        served = sorted({e for r in await table.replicas(md) for e in r.envs})
-        unasked = table.unasked()
-        if unasked:
-            return unasked[0]
-        return ApiError(grpc.StatusCode.NOT_FOUND, f"env {env_id!r} is not served by any replica; served: {served}")
-
-    async def session_replica(session_id: str, md) -> ReplicaInfo:
-        rid = replica_of(session_id)
-        if not rid:
-            raise ApiError(grpc.StatusCode.NOT_FOUND, f"unknown session {session_id!r}: not an envserve session id")
-        r = await table.find(rid, md)
-        if r is None:
-            raise ApiError(grpc.StatusCode.DATA_LOSS,
-                           f"session lost: its replica {rid!r} is gone (not in the directory or replica list)")
-        return r
-
-    async def fan_out(ids: list[str], md, call, make_failure) -> list:
-        """Items split by the replica their session names, sent in parallel, answered in request
-        order. One replica's failure fails its own items; when every part failed as a whole with
-        the same code, the call fails with it, as one replica's gRPC call would."""
-        results: list[Any] = [None] * len(ids)
-        groups: dict[str, list[int]] = {}
-        for i, sid in enumerate(ids):
-            groups.setdefault(replica_of(sid), []).append(i)
-        parts = []
-        for rid, indices in groups.items():
-            r = await table.find(rid, md) if rid else None
-            if r is None:
-                for i in indices:
-                    if rid:
-                        results[i] = make_failure(ids[i], grpc.StatusCode.DATA_LOSS,
-                                                  f"session lost: its replica {rid!r} is gone")
-                    else:
-                        results[i] = make_failure(ids[i], grpc.StatusCode.NOT_FOUND,
-                                                  f"unknown session {ids[i]!r}: not an envserve session id")
-                continue
-            parts.append((r, indices))
-        replies = await asyncio.gather(*[call(r, indices) for r, indices in parts], return_exceptions=True)
-        refused = []  # parts refused as a whole, as gRPC said
-        for (r, indices), rep in zip(parts, replies):
-            if isinstance(rep, grpc.RpcError):
-                code = rep.code()
-                if code == grpc.StatusCode.UNAVAILABLE and not table.is_fixed(r) \
-                        and not await table.still_listed(r.replica_id):
-                    # Unreachable and gone from the directory: dead, with its sessions.
-                    code, msg = grpc.StatusCode.DATA_LOSS, f"session lost: its replica {r.replica_id!r} is gone"
-                else:
-                    refused.append(rep)
-                    msg = f"replica {r.replica_id} at {table.address_of(r)}: {rep.details()}"
-                for i in indices:
-                    results[i] = make_failure(ids[i], code, msg)
-            elif isinstance(rep, BaseException):
-                raise rep
-            else:
-                for i, item in zip(indices, rep):
-                    results[i] = item
-        # Every item went to a replica and each refused the whole call with one code (e.g. no
-        # token): the call fails with it, as a single replica's gRPC call would.
-        if parts and len(parts) == len(groups) and len(refused) == len(parts) \
-                and len({e.code() for e in refused}) == 1:
-            raise refused[0]
-        return results
-
-    def step_failure(sid, code, message):
-        return pb.StepResult(session_id=sid, status=pb.ItemStatus(code=code.value[0], message=message))
-
-    def status_failure(sid, code, message):
-        return pb.ItemStatus(code=code.value[0], message=message)
+    fan_out, session_replica, not_served = gateway.fan_out, gateway.session_replica, gateway.not_served
 
     async def batch(request: Request, message, method: str) -> dict:
         req = await parse_body(request, message)
@@ -242,10 +177,7 @@ def create_app(directory_url: str = "", replicas=(), root_certificates: bytes | 
     @app.get("/v1/envs/{env_id}")
     async def get_spec(env_id: str, request: Request):
         md = _forwarded(request)
-        await table.ask_again(md)
-        serving = [r for r in await table.replicas(md) if env_id in r.envs]
-        if not serving:
-            raise await not_served(env_id, md)
+        serving = await gateway.serving(env_id, md)
         return to_json(await table.stubs(serving[0]).env.GetSpec(pb.GetSpecRequest(env_id=env_id),
                                                                   timeout=timeout, metadata=md))
 
@@ -254,26 +186,8 @@ def create_app(directory_url: str = "", replicas=(), root_certificates: bytes | 
         """OpenRequest -> OpenResponse, on the least-loaded replica serving the env (all sessions of
         one call on one replica, as a gRPC Open)."""
         req = await parse_body(request, pb.OpenRequest())
-        md = _forwarded(request)
-        order = await table.open_order(req.env_id, md)
-        if not order:
-            if any(req.env_id in r.envs for r in await table.replicas(md)):
-                raise ApiError(grpc.StatusCode.UNAVAILABLE, f"every replica serving {req.env_id!r} is draining")
-            raise await not_served(req.env_id, md)
-        last: grpc.RpcError | None = None
-        for r in order:
-            try:
-                resp = await table.stubs(r).env.Open(req, timeout=timeout, metadata=md)
-            except grpc.RpcError as e:
-                # Full, draining or down: the next replica may take them. Anything else is the request's fault.
-                if e.code() not in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE,
-                                    grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise
-                last = e
-                continue
-            table.opened(r, len(resp.session_ids))
-            return to_json(resp)
-        raise last
+        _, resp = await gateway.open(req, _forwarded(request))
+        return to_json(resp)
 
     @app.post("/v1/reset")
     async def reset(request: Request):
@@ -293,13 +207,8 @@ def create_app(directory_url: str = "", replicas=(), root_certificates: bytes | 
     @app.post("/v1/close")
     async def close(request: Request):
         req = await parse_body(request, pb.CloseRequest())
-        md = _forwarded(request)
-        ids = list(req.session_ids)
-
-        async def call(r, indices):
-            sub = pb.CloseRequest(session_ids=[ids[i] for i in indices])
-            return list((await table.stubs(r).env.Close(sub, timeout=timeout, metadata=md)).statuses)
-        return to_json(pb.CloseResponse(statuses=await fan_out(ids, md, call, status_failure)))
+        statuses = await gateway.close_sessions(list(req.session_ids), _forwarded(request))
+        return to_json(pb.CloseResponse(statuses=statuses))
 
     # -- StateService ---------------------------------------------------------------------------------
     @app.get("/v1/sessions/{session_id:path}/state")

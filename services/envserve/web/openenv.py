@@ -1,0 +1,501 @@
+"""OpenEnv's protocol over any envserve environment, so OpenEnv's own clients (openenv's
+EnvClient and GenericEnvClient, and the trainers built on them: TRL, SkyRL, NeMo Gym, AgileRL)
+drive envserve sessions unchanged.
+
+Each environment is an OpenEnv "base URL" of its own: http://HOST:PORT/openenv/<env_id>.
+
+- WebSocket <base>/ws: one connection is one envserve session, opened on connect through the
+  facade's replica routing (the least-loaded replica serving the env) and closed when the socket
+  closes. Messages are JSON objects with a `type`:
+    {"type": "reset", "data": {"seed": 3, "episode_id": ..., "task_id": ..., "split": ...,
+                               "config": {...}, "action_format": "no_think"}}
+    {"type": "step", "data": {"message": "<answer>Left</answer>"}}   (the action text; `action`
+                                                                      or `text` are read too)
+    {"type": "state"}    {"type": "close"}
+  and each is answered by one {"type": "observation" | "state" | "error", "data": {...}}. An
+  observation's data is {"observation": {"text", "turn", "episode", ["images"], "metadata"},
+  "reward", "done", "metadata"}, metadata holding the turn, whether the action was valid, the
+  env's feedback and info. A `config` or `action_format` at reset that differs from the session's
+  reopens the session with them (envserve fixes both when a session opens). Anything wrong with
+  one message (invalid JSON, an unknown type, a missing action, an item the replica refused)
+  comes back as an error message, {"message", "code"} with OpenEnv's codes, and the socket stays.
+  `?session_id=ID` attaches the socket to a session opened over HTTP instead (closing that
+  socket leaves the session open).
+- HTTP <base>/reset, /step, /state: OpenEnv's own server makes a throwaway environment per HTTP
+  request; here /reset opens a session (or resets the one named by `session_id` in the body) and
+  says its id in metadata.session_id; /step and /state name it (`session_id` in the body, or the
+  query for /state). Sessions opened over HTTP are closed after `idle_seconds` without a call
+  (and by POST <base>/close). <base>/health, /schema and /metadata answer as OpenEnv's do.
+
+Steps and resets of all sockets travel over one shared Interact stream per replica and token
+(gateway.InteractMux), so sixty-four sockets stepping at once cost the replica a few stream
+messages rather than sixty-four unary calls.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import copy
+import json
+import logging
+import time
+from typing import Any, Optional
+
+import grpc
+from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
+from google.protobuf import json_format
+from pydantic import BaseModel, ConfigDict, Field
+
+from envserve import __version__
+from envserve.client._requests import open_request, reset_item
+from envserve.directory import ReplicaInfo
+from envserve.v1 import envserve_pb2 as pb
+
+from .gateway import ApiError, Gateway
+
+log = logging.getLogger("envserve.web.openenv")
+
+# OpenEnv's error codes (openenv.core.env_server.types.WSErrorCode).
+INVALID_JSON, UNKNOWN_TYPE, VALIDATION_ERROR = "INVALID_JSON", "UNKNOWN_TYPE", "VALIDATION_ERROR"
+EXECUTION_ERROR, CAPACITY_REACHED, FACTORY_ERROR, SESSION_ERROR = (
+    "EXECUTION_ERROR", "CAPACITY_REACHED", "FACTORY_ERROR", "SESSION_ERROR")
+_SESSION_GONE = (grpc.StatusCode.NOT_FOUND.value[0], grpc.StatusCode.DATA_LOSS.value[0])
+_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
+ACTION_KEYS = ("message", "action", "text")  # where a generic OpenEnv client puts the action text
+
+
+class OpenEnvError(Exception):
+    """One message's failure: an OpenEnv error reply on a socket, an HTTP error over HTTP."""
+
+    def __init__(self, code: str, message: str, status: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
+        super().__init__(message)
+        self.code, self.message, self.status = code, message, status
+
+    def data(self) -> dict:
+        return {"message": self.message, "code": self.code, "status": self.status.name}
+
+
+def _from_api(e: Exception, opening: bool = False) -> OpenEnvError:
+    """An ApiError or gRPC error as OpenEnv reports it."""
+    if isinstance(e, ApiError):
+        status, message = e.code, e.message
+    elif isinstance(e, grpc.RpcError):
+        status, message = e.code(), e.details() or e.code().name
+    else:
+        return OpenEnvError(EXECUTION_ERROR, f"{type(e).__name__}: {e}", grpc.StatusCode.INTERNAL)
+    if status == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        code = CAPACITY_REACHED
+    elif opening:
+        code = FACTORY_ERROR
+    elif status in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS):
+        code = SESSION_ERROR
+    else:
+        code = EXECUTION_ERROR
+    return OpenEnvError(code, message, status)
+
+
+# -- the models /schema publishes (what a typed OpenEnv client would declare) -------------------------
+class EnvServeAction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    message: str = Field(description="The agent's whole answer, parsed by the session's action format")
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class EnvServeImage(BaseModel):
+    png: str = Field(description="PNG, base64")
+    height: int
+    width: int
+    channels: int
+    name: str = ""
+
+
+class EnvServeObservation(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    done: bool = False
+    reward: Optional[float] = None
+    text: str = Field(description="The observation text (with the env's feedback after a step)")
+    turn: int = 0
+    episode: int = 0
+    images: list[EnvServeImage] = Field(default_factory=list)
+    metadata: dict[str, Any] = Field(default_factory=dict, description=(
+        "session_id, env_id, turn, episode, trial, valid_action, actions_executed, parsed_actions, "
+        "truncated, success, feedback, reward_components, reasoning, info (and system_prompt at reset)"))
+
+
+class EnvServeState(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    episode_id: Optional[str] = None
+    step_count: int = 0
+    session_id: str = ""
+    env_id: str = ""
+    turn: int = 0
+    episode: int = 0
+    done: bool = False
+    episode_return: float = 0.0
+    action_format: str = ""
+
+
+_SCHEMA = {"action": EnvServeAction.model_json_schema(), "observation": EnvServeObservation.model_json_schema(),
+           "state": EnvServeState.model_json_schema()}
+
+
+# -- sessions ---------------------------------------------------------------------------------------
+class Session:
+    __slots__ = ("env_id", "session_id", "replica", "md", "config", "action_format", "system_prompt",
+                 "episode_id", "step_count", "turn", "episode", "done", "episode_return", "last_used",
+                 "sockets", "http")
+
+    def __init__(self, env_id: str, session_id: str, replica: ReplicaInfo, md: tuple, config: dict,
+                 action_format: str, system_prompt: str, http: bool):
+        self.env_id, self.session_id, self.replica, self.md = env_id, session_id, replica, md
+        self.config, self.action_format, self.system_prompt = config, action_format, system_prompt
+        self.episode_id: Optional[str] = None
+        self.step_count = self.turn = self.episode = 0
+        self.done = False
+        self.episode_return = 0.0
+        self.last_used = time.monotonic()
+        self.sockets = 0     # sockets attached to an HTTP session: not reclaimed while any is
+        self.http = http
+
+    def state(self) -> dict:
+        return {"episode_id": self.episode_id or f"{self.session_id}/{self.episode}",
+                "step_count": self.step_count, "session_id": self.session_id, "env_id": self.env_id,
+                "turn": self.turn, "episode": self.episode, "done": self.done,
+                "episode_return": self.episode_return, "action_format": self.action_format,
+                "config": self.config}
+
+
+def _images(obs: pb.Observation) -> list[dict]:
+    return [{"png": base64.b64encode(im.png).decode("ascii"), "height": im.height, "width": im.width,
+             "channels": im.channels, "name": im.name} for im in obs.images]
+
+
+def observation_payload(s: Session, r: pb.StepResult, reset: bool = False) -> dict:
+    """A StepResult in OpenEnv's wire form (what its serialize_observation makes of an Observation)."""
+    meta = {"session_id": s.session_id, "env_id": s.env_id, "turn": r.turn, "episode": r.episode,
+            "trial": r.trial, "valid_action": r.action_valid, "actions_executed": r.actions_executed,
+            "parsed_actions": list(r.parsed_actions), "truncated": r.truncated, "success": r.success,
+            "feedback": r.feedback, "reward_components": dict(r.reward_components),
+            "reasoning": dict(r.reasoning),
+            "info": json_format.MessageToDict(r.info) if r.info.fields else {}}
+    if reset:
+        meta["system_prompt"] = s.system_prompt
+    obs = r.observation
+    observation = {"text": obs.text, "turn": obs.turn, "episode": obs.episode, "metadata": meta}
+    if obs.images:
+        observation["images"] = _images(obs)
+    return {"observation": observation, "reward": r.reward, "done": r.done, "metadata": meta}
+
+
+def _action_text(data: Any) -> str:
+    if isinstance(data, str):
+        return data
+    if isinstance(data, dict):
+        for key in ACTION_KEYS:
+            v = data.get(key)
+            if isinstance(v, str):
+                return v
+    raise OpenEnvError(VALIDATION_ERROR, "a step's action is the answer text: {\"message\": \"...\"} "
+                                         f"(or `action` / `text`), got {json.dumps(data)[:200]}")
+
+
+def _reset_options(data: Any) -> dict:
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise OpenEnvError(VALIDATION_ERROR, f"reset data must be an object, got {type(data).__name__}")
+    seed = data.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise OpenEnvError(VALIDATION_ERROR, f"seed must be a whole number >= 0, got {seed!r}")
+    for key in ("task_id", "split", "action_format", "episode_id"):
+        v = data.get(key)
+        if v is not None and not isinstance(v, str):
+            raise OpenEnvError(VALIDATION_ERROR, f"{key} must be a string, got {v!r}")
+    config = data.get("config")
+    if config is not None and not isinstance(config, dict):
+        raise OpenEnvError(VALIDATION_ERROR, f"config must be an object, got {config!r}")
+    return data
+
+
+class OpenEnvSessions:
+    """The endpoint's sessions: those of the sockets, and those opened over HTTP (kept in
+    `http_sessions`, reclaimed after idle_seconds without a call)."""
+
+    def __init__(self, gateway: Gateway, idle_seconds: float = 300.0):
+        self.gateway = gateway
+        self.idle_seconds = idle_seconds
+        self.http_sessions: dict[str, Session] = {}
+        self._reaper: asyncio.Task | None = None
+
+    # -- envserve calls -----------------------------------------------------------------------------
+    async def open(self, env_id: str, md: tuple, config: dict | None = None, action_format: str = "",
+                   http: bool = False) -> Session:
+        try:
+            replica, resp = await self.gateway.open(open_request(env_id, 1, config, action_format or ""), md)
+        except (ApiError, grpc.RpcError) as e:
+            raise _from_api(e, opening=True) from None
+        s = Session(env_id, resp.session_ids[0], replica, md, dict(config or {}), action_format or "",
+                    resp.system_prompt, http)
+        if http:
+            self.http_sessions[s.session_id] = s
+            self._start_reaper()
+        return s
+
+    async def close(self, s: Session) -> None:
+        self.http_sessions.pop(s.session_id, None)
+        try:
+            await self.gateway.close_sessions([s.session_id], s.md)
+        except (ApiError, grpc.RpcError) as e:
+            log.info("closing %s: %s", s.session_id, e)
+
+    async def _call(self, s: Session, md: tuple, item: pb.InteractItem) -> pb.StepResult:
+        s.last_used = time.monotonic()
+        try:
+            r = await self.gateway.stream(s.replica, md).submit(item)
+        except (ApiError, grpc.RpcError) as e:
+            raise _from_api(e) from None
+        s.last_used = time.monotonic()
+        if r.status.code:
+            status = _BY_NUMBER.get(r.status.code, grpc.StatusCode.UNKNOWN)
+            raise OpenEnvError(SESSION_ERROR if r.status.code in _SESSION_GONE else EXECUTION_ERROR,
+                               r.status.message or status.name, status)
+        return r
+
+    async def reset(self, s: Session, md: tuple, data: Any) -> tuple[Session, dict]:
+        """Returns the session (a new one when config or action_format changed) and the payload."""
+        opts = _reset_options(data)
+        config, fmt = opts.get("config"), opts.get("action_format")
+        if (config is not None and config != s.config) or (fmt is not None and fmt != s.action_format):
+            new = await self.open(s.env_id, md, config if config is not None else s.config,
+                                  fmt if fmt is not None else s.action_format, http=s.http)
+            await self.close(s)
+            s = new
+        item = reset_item(s.session_id, opts.get("seed"), opts.get("task_id") or "", opts.get("split") or "",
+                          bool(opts.get("same_task", False)))
+        r = await self._call(s, md, pb.InteractItem(reset=item))
+        s.episode_id = opts.get("episode_id")
+        s.step_count, s.turn, s.episode, s.done, s.episode_return = 0, r.turn, r.episode, r.done, 0.0
+        return s, observation_payload(s, r, reset=True)
+
+    async def step(self, s: Session, md: tuple, action: Any) -> dict:
+        text = _action_text(action)
+        r = await self._call(s, md, pb.InteractItem(step=pb.StepItem(session_id=s.session_id, action=text)))
+        s.step_count += 1
+        s.turn, s.episode, s.done = r.turn, r.episode, r.done
+        s.episode_return += r.reward
+        return observation_payload(s, r)
+
+    # -- HTTP sessions ------------------------------------------------------------------------------
+    def http_session(self, env_id: str, session_id: Any) -> Session:
+        if not isinstance(session_id, str) or not session_id:
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT,
+                           "name the session: `session_id`, as /reset returned it in metadata.session_id "
+                           "(or use the WebSocket at /ws, one session per connection)")
+        s = self.http_sessions.get(session_id)
+        if s is None:
+            raise ApiError(grpc.StatusCode.NOT_FOUND,
+                           f"unknown session {session_id!r}: not opened here over HTTP, closed, or reclaimed "
+                           f"after {self.idle_seconds:g} s without a call")
+        if s.env_id != env_id:
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"session {session_id!r} is a {s.env_id!r} session, "
+                                                             f"not {env_id!r}")
+        return s
+
+    def _start_reaper(self) -> None:
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.get_running_loop().create_task(self._reap())
+
+    async def _reap(self) -> None:
+        interval = max(0.05, min(self.idle_seconds / 4, 5.0))
+        while self.http_sessions:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            idle = [s for s in self.http_sessions.values()
+                    if not s.sockets and now - s.last_used > self.idle_seconds]
+            for s in idle:
+                if self.http_sessions.get(s.session_id) is s:
+                    log.info("reclaiming idle OpenEnv session %s (%s)", s.session_id, s.env_id)
+                    await self.close(s)
+
+    async def close_all(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        sessions = list(self.http_sessions.values())
+        self.http_sessions.clear()
+        for s in sessions:
+            await self.close(s)
+
+
+
+def _md(headers) -> tuple:
+    auth = headers.get("authorization")
+    return (("authorization", auth),) if auth else ()
+
+
+async def _json_body(request: Request) -> dict:
+    body = await request.body()
+    if not body:
+        return {}
+    try:
+        data = json.loads(body)
+    except ValueError as e:
+        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "body must be a JSON object")
+    return data
+
+
+def _as_api(e: OpenEnvError) -> ApiError:
+    return ApiError(e.status, f"{e.code}: {e.message}")
+
+
+def mount_openenv(app: FastAPI, gateway: Gateway, idle_seconds: float = 300.0,
+                  prefix: str = "/openenv") -> OpenEnvSessions:
+    """Adds OpenEnv's routes for every env under prefix/<env_id>/ to the facade's app."""
+    sessions = OpenEnvSessions(gateway, idle_seconds)
+    base = prefix + "/{env_id}"
+
+    async def spec(env_id: str, md) -> pb.EnvSpec:
+        serving = await gateway.serving(env_id, md)
+        return await gateway.table.stubs(serving[0]).env.GetSpec(pb.GetSpecRequest(env_id=env_id),
+                                                                 timeout=gateway.timeout, metadata=md)
+
+    # -- WebSocket ------------------------------------------------------------------------------
+    @app.websocket(base + "/ws")
+    async def openenv_ws(websocket: WebSocket, env_id: str):
+        await websocket.accept()
+        md = _md(websocket.headers)
+        s: Session | None = None
+        owned = False
+
+        async def send(kind: str, data: dict) -> None:
+            await websocket.send_text(json.dumps({"type": kind, "data": data}))
+
+        try:
+            attach = websocket.query_params.get("session_id")
+            try:
+                if attach:
+                    s = sessions.http_session(env_id, attach)
+                    s.sockets += 1
+                else:
+                    q = websocket.query_params
+                    config = json.loads(q["config"]) if q.get("config") else None
+                    s = await sessions.open(env_id, md, config, q.get("action_format", ""))
+                    owned = True
+            except ApiError as e:
+                await send("error", {"message": e.message, "code": SESSION_ERROR, "status": e.code.name})
+                return
+            except OpenEnvError as e:
+                await send("error", e.data())
+                return
+            except ValueError as e:
+                await send("error", {"message": f"config is not JSON: {e}", "code": VALIDATION_ERROR})
+                return
+            while True:
+                msg = await websocket.receive()
+                if msg["type"] == "websocket.disconnect":
+                    break
+                raw = msg.get("text")
+                if raw is None:
+                    raw = (msg.get("bytes") or b"").decode("utf-8", "replace")
+                try:
+                    message = json.loads(raw)
+                    if not isinstance(message, dict):
+                        raise OpenEnvError(VALIDATION_ERROR, "a message is a JSON object with a `type`")
+                    kind = message.get("type", "")
+                    if kind == "step":
+                        if "data" not in message:
+                            raise OpenEnvError(VALIDATION_ERROR, "a step message carries the action in `data`")
+                        await send("observation", await sessions.step(s, md, message["data"]))
+                    elif kind == "reset":
+                        s, payload = await sessions.reset(s, md, message.get("data") or {})
+                        await send("observation", payload)
+                    elif kind == "state":
+                        await send("state", s.state())
+                    elif kind == "close":
+                        break
+                    else:
+                        raise OpenEnvError(UNKNOWN_TYPE, f"Unknown message type: {kind}")
+                except OpenEnvError as e:
+                    await send("error", e.data())
+                except ValueError as e:
+                    await send("error", {"message": f"Invalid JSON: {e}", "code": INVALID_JSON})
+        except WebSocketDisconnect:
+            pass
+        except Exception as e:  # noqa: BLE001 - say why before the socket goes
+            log.exception("OpenEnv socket for %s failed", env_id)
+            try:
+                await send("error", {"message": f"{type(e).__name__}: {e}", "code": EXECUTION_ERROR})
+            except Exception:  # noqa: BLE001
+                pass
+        finally:
+            if s is not None:
+                if owned:
+                    await sessions.close(s)
+                else:
+                    s.sockets -= 1
+                    s.last_used = time.monotonic()
+            try:
+                await websocket.close()
+            except Exception:  # noqa: BLE001 - already closed by the client
+                pass
+
+    # -- HTTP -----------------------------------------------------------------------------------
+    @app.post(base + "/reset")
+    async def openenv_reset(env_id: str, request: Request):
+        body = await _json_body(request)
+        md = _md(request.headers)
+        try:
+            if body.get("session_id"):
+                s = sessions.http_session(env_id, body["session_id"])
+            else:
+                s = await sessions.open(env_id, md, body.get("config"), body.get("action_format") or "", http=True)
+            _, payload = await sessions.reset(s, md, body)
+        except OpenEnvError as e:
+            raise _as_api(e) from None
+        return payload
+
+    @app.post(base + "/step")
+    async def openenv_step(env_id: str, request: Request):
+        body = await _json_body(request)
+        s = sessions.http_session(env_id, body.get("session_id"))
+        if "action" not in body:
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, 'a step is {"action": {"message": "..."}, "session_id": ...}')
+        try:
+            return await sessions.step(s, _md(request.headers), body["action"])
+        except OpenEnvError as e:
+            raise _as_api(e) from None
+
+    @app.get(base + "/state")
+    async def openenv_state(env_id: str, session_id: str = ""):
+        s = sessions.http_session(env_id, session_id)
+        s.last_used = time.monotonic()
+        return s.state()
+
+    @app.post(base + "/close")
+    async def openenv_close(env_id: str, request: Request):
+        s = sessions.http_session(env_id, (await _json_body(request)).get("session_id"))
+        await sessions.close(s)
+        return {"session_id": s.session_id, "closed": True}
+
+    @app.get(base + "/health")
+    async def openenv_health(env_id: str, request: Request):
+        await gateway.serving(env_id, _md(request.headers))
+        return {"status": "healthy"}
+
+    @app.get(base + "/schema")
+    async def openenv_schema(env_id: str, request: Request):
+        sp = await spec(env_id, _md(request.headers))
+        schema = copy.deepcopy(_SCHEMA)
+        schema["action"]["properties"]["message"]["description"] = (
+            f"The agent's whole answer in the session's action format (default {sp.default_action_format}; "
+            f"also {', '.join(sp.action_formats)}). {sp.action_space}").strip()
+        return schema
+
+    @app.get(base + "/metadata")
+    async def openenv_metadata(env_id: str, request: Request):
+        sp = await spec(env_id, _md(request.headers))
+        return {"name": sp.env_id, "description": sp.description, "readme_content": sp.system_prompt,
+                "version": __version__, "author": "envserve", "documentation_url": None}
+
+    return sessions
