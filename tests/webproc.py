@@ -14,11 +14,11 @@ class WebProcess:
         self.url = m.group(1)
 
     @classmethod
-    def facade(cls, replicas=(), directory=""):
+    def facade(cls, replicas=(), directory="", extra=(), env_vars=None):
         args = ["web", "--port", "0"] + [a for r in replicas for a in ("--replica", r)]
         if directory:
             args += ["--directory", directory]
-        return cls(args)
+        return cls(args + list(extra), env_vars)
 
     def kill(self):
         if self.proc.poll() is None:
