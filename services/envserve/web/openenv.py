@@ -27,9 +27,9 @@ Each environment is an OpenEnv "base URL" of its own: http://HOST:PORT/openenv/<
   query for /state). Sessions opened over HTTP are closed after `idle_seconds` without a call
   (and by POST <base>/close). <base>/health, /schema and /metadata answer as OpenEnv's do.
 
-Steps and resets of all sockets travel over one shared Interact stream per replica and token
-(gateway.InteractMux), so sixty-four sockets stepping at once cost the replica a few stream
-messages rather than sixty-four unary calls.
+The steps and resets of all sockets and HTTP sessions are batched per replica and token
+(gateway.Batcher): those that arrive in one event-loop turn go out as one Step call, so sixty-four
+sockets stepping at once cost a few batched calls rather than sixty-four.
 """
 from __future__ import annotations
 
@@ -248,10 +248,12 @@ class OpenEnvSessions:
         except (ApiError, grpc.RpcError) as e:
             log.info("closing %s: %s", s.session_id, e)
 
-    async def _call(self, s: Session, md: tuple, item: pb.InteractItem) -> pb.StepResult:
+    async def _call(self, s: Session, md: tuple, step: str | None = None,
+                    reset: pb.ResetItem | None = None) -> pb.StepResult:
         s.last_used = time.monotonic()
+        batcher = self.gateway.batcher(s.replica, md)
         try:
-            r = await self.gateway.stream(s.replica, md).submit(item)
+            r = await (batcher.step(s.session_id, step) if reset is None else batcher.reset(reset))
         except (ApiError, grpc.RpcError) as e:
             raise _from_api(e) from None
         s.last_used = time.monotonic()
@@ -272,14 +274,14 @@ class OpenEnvSessions:
             s = new
         item = reset_item(s.session_id, opts.get("seed"), opts.get("task_id") or "", opts.get("split") or "",
                           bool(opts.get("same_task", False)))
-        r = await self._call(s, md, pb.InteractItem(reset=item))
+        r = await self._call(s, md, reset=item)
         s.episode_id = opts.get("episode_id")
         s.step_count, s.turn, s.episode, s.done, s.episode_return = 0, r.turn, r.episode, r.done, 0.0
         return s, observation_payload(s, r, reset=True)
 
     async def step(self, s: Session, md: tuple, action: Any) -> dict:
         text = _action_text(action)
-        r = await self._call(s, md, pb.InteractItem(step=pb.StepItem(session_id=s.session_id, action=text)))
+        r = await self._call(s, md, step=text)
         s.step_count += 1
         s.turn, s.episode, s.done = r.turn, r.episode, r.done
         s.episode_return += r.reward

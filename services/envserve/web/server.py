@@ -15,7 +15,10 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def _server(app) -> uvicorn.Server:
-    return uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+    # WebSocket frames go uncompressed: observations are small text or PNG already, and
+    # per-message deflate cost more CPU per step than the rest of a frame (OpenEnv endpoint).
+    return uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                                         ws_per_message_deflate=False))
 
 
 def display(host: str, port: int) -> str:

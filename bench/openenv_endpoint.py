@@ -1,0 +1,223 @@
+"""envserve's OpenEnv endpoint (`envserve web`, /openenv/<env>/ws) against OpenEnv 0.10's own server
+(openenv.core.env_server.create_fastapi_app under uvicorn) on a trivial env, over the same client.
+
+- OpenEnv side: a counter env written here on openenv's Environment base class (each step counts
+  and echoes the action text), in its own uvicorn process, as `openenv serve` runs one. Two
+  variants: `openenv` implements the plain reset/step methods (OpenEnv runs them in the session's
+  thread), `openenv_async` overrides reset_async/step_async (awaited on the event loop, no thread).
+- envserve side: `envserve serve frozenlake` (the smallest registered env: a 4x4 grid, no turn
+  limit here, and moves into the wall so an episode never ends) behind `envserve web`.
+- The client is the `websockets` library sending exactly the messages OpenEnv's EnvClient sends
+  ({"type": "step", "data": {"message": ...}}), one connection per session; the sides alternate
+  in rounds so load on the machine hits them alike. Reported: steps/s over all sessions at
+  --sessions concurrent sockets, p50/p90 of one step there, and p50 of one socket stepping alone.
+
+    python bench/openenv_endpoint.py --json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+ENV_ID, CONFIG = "frozenlake", {"max_turns": 1_000_000}
+ACTIONS = ["<answer>Left</answer>", "<answer>Up</answer>"]  # from the start corner: into the wall
+
+
+# -- OpenEnv's own server, in a child process ---------------------------------------------------------
+def serve_openenv(port: int, use_async: bool) -> None:
+    import uvicorn
+    from openenv.core.env_server import Action, Environment, Observation, State, create_fastapi_app
+
+    class CounterAction(Action):
+        message: str
+
+    class CounterObservation(Observation):
+        text: str = ""
+        count: int = 0
+
+    class CounterEnv(Environment):
+        SUPPORTS_CONCURRENT_SESSIONS = True
+
+        def __init__(self):
+            super().__init__()
+            self._state = State(step_count=0)
+
+        def reset(self, seed=None, episode_id=None, **kw):
+            self._state = State(episode_id=episode_id, step_count=0)
+            return CounterObservation(text="start", count=0, reward=0.0)
+
+        def step(self, action, timeout_s=None, **kw):
+            self._state.step_count += 1
+            return CounterObservation(text=action.message, count=self._state.step_count, reward=1.0)
+
+        @property
+        def state(self):
+            return self._state
+
+    class AsyncCounterEnv(CounterEnv):
+        async def reset_async(self, seed=None, episode_id=None, **kw):
+            return self.reset(seed, episode_id)
+
+        async def step_async(self, action, timeout_s=None, **kw):
+            return self.step(action)
+
+    app = create_fastapi_app(AsyncCounterEnv if use_async else CounterEnv, CounterAction, CounterObservation,
+                             max_concurrent_envs=4096)
+    from envserve.web.server import bind
+    sock = bind("127.0.0.1", port)
+    print(f"openenv server on http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+    # With the same uvicorn settings as `envserve web` (envserve.web.server._server).
+    from envserve.web.server import _server
+    server = _server(app)
+    asyncio.run(server.serve(sockets=[sock]))
+
+
+class OpenEnvProcess:
+    def __init__(self, use_async: bool):
+        cmd = [sys.executable, "-u", __file__, "--serve-openenv"] + (["--async-env"] if use_async else [])
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=dict(os.environ, ENABLE_WEB_INTERFACE="false"))
+        out = []
+        for line in self.proc.stdout:
+            out.append(line)
+            m = re.search(r"openenv server on (http://\S+)", line)
+            if m:
+                self.url = m.group(1)
+                return
+        raise RuntimeError("openenv server did not start:\n" + "".join(out))
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+# -- the client -----------------------------------------------------------------------------------
+async def open_socket(url: str, reset: dict):
+    from websockets.asyncio.client import connect
+    ws = await connect(url.replace("http://", "ws://") + "/ws", max_size=None, ping_interval=None)
+    await ws.send(json.dumps({"type": "reset", "data": reset}))
+    reply = json.loads(await ws.recv())
+    assert reply["type"] == "observation", reply
+    return ws
+
+
+async def run_side(side: tuple[str, dict], sessions: int, seconds: float, warmup: float = 0.5) -> dict:
+    """`sessions` sockets stepping as fast as their replies come for `seconds` (after a warm-up)."""
+    url, reset = side
+    sockets = await asyncio.gather(*[open_socket(url, reset) for _ in range(sessions)])
+    latencies: list[list[float]] = [[] for _ in sockets]
+    phase = {"record": False, "stop": False}
+
+    async def loop(k: int) -> None:
+        ws, lat, i = sockets[k], latencies[k], 0
+        while not phase["stop"]:
+            t = time.perf_counter()
+            await ws.send(json.dumps({"type": "step", "data": {"message": ACTIONS[i % 2]}}))
+            reply = json.loads(await ws.recv())
+            if phase["record"]:
+                lat.append(time.perf_counter() - t)
+            if reply["type"] != "observation":
+                raise RuntimeError(f"step failed: {reply}")
+            i += 1
+
+    tasks = [asyncio.create_task(loop(k)) for k in range(sessions)]
+    await asyncio.sleep(warmup)
+    phase["record"] = True
+    t0 = time.perf_counter()
+    await asyncio.sleep(seconds)
+    phase["record"] = False
+    elapsed = time.perf_counter() - t0
+    phase["stop"] = True
+    await asyncio.gather(*tasks)
+    for ws in sockets:
+        await ws.send(json.dumps({"type": "close"}))
+        await ws.close()
+    flat = sorted(x for lat in latencies for x in lat)
+    return {"steps": len(flat), "seconds": elapsed, "steps_per_s": len(flat) / elapsed,
+            "p50_ms": 1e3 * flat[len(flat) // 2], "p90_ms": 1e3 * flat[int(len(flat) * 0.9)]}
+
+
+def merge(rounds: list[dict]) -> dict:
+    steps = sum(r["steps"] for r in rounds)
+    return {"steps": steps, "steps_per_s": steps / sum(r["seconds"] for r in rounds),
+            "p50_ms": statistics.median(r["p50_ms"] for r in rounds),
+            "p90_ms": statistics.median(r["p90_ms"] for r in rounds)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sessions", type=int, default=64)
+    ap.add_argument("--seconds", type=float, default=3.0, help="per side per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=1, help="envserve replica workers")
+    ap.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
+    ap.add_argument("--serve-openenv", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--async-env", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_openenv:
+        serve_openenv(0, args.async_env)
+        return 0
+
+    import openenv
+    from serverproc import ServerProcess
+    from webproc import WebProcess
+
+    with ServerProcess([ENV_ID], workers=args.workers, metrics=False) as server, \
+            WebProcess.facade([server.address]) as web:
+        # The envserve side's sessions never end: no turn limit (set at reset, which reopens the session).
+        sides = {"envserve": (f"{web.url}/openenv/{ENV_ID}", {"seed": 0, "config": CONFIG, "action_format": "no_think"})}
+        children = []
+        try:
+            for name, use_async in (("openenv", False), ("openenv_async", True)):
+                p = OpenEnvProcess(use_async)
+                children.append(p)
+                sides[name] = (p.url, {"seed": 0})
+            concurrent = {name: [] for name in sides}
+            alone = {name: [] for name in sides}
+
+            async def bench():
+                for side in sides.values():  # warm up every server once
+                    await run_side(side, 4, 0.3, warmup=0.1)
+                for _ in range(args.rounds):
+                    for name, side in sides.items():
+                        concurrent[name].append(await run_side(side, args.sessions, args.seconds))
+                    for name, side in sides.items():
+                        alone[name].append(await run_side(side, 1, args.seconds / 2))
+            asyncio.run(bench())
+        finally:
+            for p in children:
+                p.kill()
+
+    results = {name: {**merge(concurrent[name]), "alone_p50_ms": statistics.median(r["p50_ms"] for r in alone[name])}
+               for name in sides}
+    best_openenv = max(("openenv", "openenv_async"), key=lambda n: results[n]["steps_per_s"])
+    summary = {"sessions": args.sessions, "rounds": args.rounds, "seconds": args.seconds,
+               "envserve_env": f"{ENV_ID} (4x4, moves into the wall; replica workers={args.workers})",
+               "openenv_version": openenv.__version__, "openenv_env": "CounterEnv (defined in this bench)",
+               **results,
+               "ratio_vs_openenv": results["envserve"]["steps_per_s"] / results["openenv"]["steps_per_s"],
+               "ratio_vs_openenv_async": results["envserve"]["steps_per_s"] / results["openenv_async"]["steps_per_s"],
+               "ratio_vs_best_openenv": results["envserve"]["steps_per_s"] / results[best_openenv]["steps_per_s"]}
+    print(f"| server | steps/s at {args.sessions} sockets | p50 ms | p90 ms | one socket p50 ms |\n|---|---|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {r['steps_per_s']:.0f} | {r['p50_ms']:.2f} | {r['p90_ms']:.2f} | {r['alone_p50_ms']:.2f} |")
+    print(f"envserve / openenv: {summary['ratio_vs_openenv']:.2f}x; / openenv_async: "
+          f"{summary['ratio_vs_openenv_async']:.2f}x (target: >= 2x)")
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
