@@ -5,8 +5,11 @@
   and echoes the action text), in its own uvicorn process, as `openenv serve` runs one. Two
   variants: `openenv` implements the plain reset/step methods (OpenEnv runs them in the session's
   thread), `openenv_async` overrides reset_async/step_async (awaited on the event loop, no thread).
-- envserve side: `envserve serve frozenlake` (the smallest registered env: a 4x4 grid, no turn
-  limit here, and moves into the wall so an episode never ends) behind `envserve web`.
+- envserve side: `envserve serve` behind `envserve web`, on two envs: the same counter written
+  here as an envserve Environment (no trivial env is registered; the replica loads this one
+  through an entry point), and frozenlake, the smallest registered env (4x4, no turn limit here,
+  moves into the wall so an episode never ends). Both still go through envserve's whole step:
+  the action format's parser, rewards, the turn's ground truth kept for StateService.
 - The client is the `websockets` library sending exactly the messages OpenEnv's EnvClient sends
   ({"type": "step", "data": {"message": ...}}), one connection per session; the sides alternate
   in rounds so load on the machine hits them alike. Reported: steps/s over all sessions at
@@ -32,6 +35,42 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 ENV_ID, CONFIG = "frozenlake", {"max_turns": 1_000_000}
 ACTIONS = ["<answer>Left</answer>", "<answer>Up</answer>"]  # from the start corner: into the wall
+
+# The same counter as the OpenEnv side's, as an envserve Environment; the replica finds it through
+# an entry point (group envserve.envs) of a throwaway distribution put on its PYTHONPATH.
+COUNTER_MODULE = '''
+from envserve.core.env import ActionOutcome, EnvSpec, Environment, GroundTruth
+
+
+class CounterEnv(Environment):
+    spec = EnvSpec(env_id="counter", description="counts steps and echoes the action (bench)",
+                   system_prompt="Say anything.", action_space="any text", max_turns=1_000_000,
+                   max_actions_per_turn=1, default_action_format="no_think")
+
+    def reset(self, seed, options=None):
+        self.count, self.last = 0, ""
+
+    def step(self, action):
+        self.count += 1
+        self.last = action
+        return ActionOutcome(reward=1.0)
+
+    def render_text(self):
+        return self.last or "start"
+
+    def ground_truth(self):
+        return GroundTruth({"count": self.count})
+'''
+
+
+def counter_distribution(folder: Path) -> str:
+    """Writes the counter env and its entry point under folder; returns the folder to put on PYTHONPATH."""
+    (folder / "envserve_bench_counter.py").write_text(COUNTER_MODULE)
+    info = folder / "envserve_bench_counter-0.0.0.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: envserve-bench-counter\nVersion: 0.0.0\n")
+    (info / "entry_points.txt").write_text("[envserve.envs]\ncounter = envserve_bench_counter:CounterEnv\n")
+    return str(folder)
 
 
 # -- OpenEnv's own server, in a child process ---------------------------------------------------------
@@ -169,51 +208,59 @@ def main() -> int:
         serve_openenv(0, args.async_env)
         return 0
 
+    import tempfile
+
     import openenv
     from serverproc import ServerProcess
     from webproc import WebProcess
 
-    with ServerProcess([ENV_ID], workers=args.workers, metrics=False) as server, \
-            WebProcess.facade([server.address]) as web:
-        # The envserve side's sessions never end: no turn limit (set at reset, which reopens the session).
-        sides = {"envserve": (f"{web.url}/openenv/{ENV_ID}", {"seed": 0, "config": CONFIG, "action_format": "no_think"})}
-        children = []
-        try:
-            for name, use_async in (("openenv", False), ("openenv_async", True)):
-                p = OpenEnvProcess(use_async)
-                children.append(p)
-                sides[name] = (p.url, {"seed": 0})
-            concurrent = {name: [] for name in sides}
-            alone = {name: [] for name in sides}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.pathsep.join(filter(None, [counter_distribution(Path(tmp)), os.environ.get("PYTHONPATH", "")]))
+        with ServerProcess(["counter", ENV_ID], workers=args.workers, metrics=False,
+                           env_vars={"PYTHONPATH": path}) as server, WebProcess.facade([server.address]) as web:
+            # Sessions that never end: no turn limit (set at reset, which reopens the session).
+            sides = {"envserve_counter": (f"{web.url}/openenv/counter", {"seed": 0}),
+                     "envserve_frozenlake": (f"{web.url}/openenv/{ENV_ID}",
+                                             {"seed": 0, "config": CONFIG, "action_format": "no_think"})}
+            children = []
+            try:
+                for name, use_async in (("openenv", False), ("openenv_async", True)):
+                    p = OpenEnvProcess(use_async)
+                    children.append(p)
+                    sides[name] = (p.url, {"seed": 0})
+                concurrent = {name: [] for name in sides}
+                alone = {name: [] for name in sides}
 
-            async def bench():
-                for side in sides.values():  # warm up every server once
-                    await run_side(side, 4, 0.3, warmup=0.1)
-                for _ in range(args.rounds):
-                    for name, side in sides.items():
-                        concurrent[name].append(await run_side(side, args.sessions, args.seconds))
-                    for name, side in sides.items():
-                        alone[name].append(await run_side(side, 1, args.seconds / 2))
-            asyncio.run(bench())
-        finally:
-            for p in children:
-                p.kill()
+                async def bench():
+                    for side in sides.values():  # warm up every server once
+                        await run_side(side, 4, 0.3, warmup=0.1)
+                    for _ in range(args.rounds):
+                        for name, side in sides.items():
+                            concurrent[name].append(await run_side(side, args.sessions, args.seconds))
+                        for name, side in sides.items():
+                            alone[name].append(await run_side(side, 1, args.seconds / 2))
+                asyncio.run(bench())
+            finally:
+                for p in children:
+                    p.kill()
 
     results = {name: {**merge(concurrent[name]), "alone_p50_ms": statistics.median(r["p50_ms"] for r in alone[name])}
                for name in sides}
-    best_openenv = max(("openenv", "openenv_async"), key=lambda n: results[n]["steps_per_s"])
     summary = {"sessions": args.sessions, "rounds": args.rounds, "seconds": args.seconds,
-               "envserve_env": f"{ENV_ID} (4x4, moves into the wall; replica workers={args.workers})",
-               "openenv_version": openenv.__version__, "openenv_env": "CounterEnv (defined in this bench)",
-               **results,
-               "ratio_vs_openenv": results["envserve"]["steps_per_s"] / results["openenv"]["steps_per_s"],
-               "ratio_vs_openenv_async": results["envserve"]["steps_per_s"] / results["openenv_async"]["steps_per_s"],
-               "ratio_vs_best_openenv": results["envserve"]["steps_per_s"] / results[best_openenv]["steps_per_s"]}
+               "replica_workers": args.workers, "openenv_version": openenv.__version__,
+               "envs": {"envserve_counter": "CounterEnv as an envserve env (this bench)",
+                        "envserve_frozenlake": "frozenlake 4x4, no_think, moves into the wall",
+                        "openenv": "CounterEnv on openenv's Environment, sync reset/step (this bench)",
+                        "openenv_async": "the same with reset_async/step_async"},
+               **results}
+    for mine in ("envserve_counter", "envserve_frozenlake"):
+        for theirs in ("openenv", "openenv_async"):
+            summary[f"ratio_{mine}_vs_{theirs}"] = results[mine]["steps_per_s"] / results[theirs]["steps_per_s"]
     print(f"| server | steps/s at {args.sessions} sockets | p50 ms | p90 ms | one socket p50 ms |\n|---|---|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {r['steps_per_s']:.0f} | {r['p50_ms']:.2f} | {r['p90_ms']:.2f} | {r['alone_p50_ms']:.2f} |")
-    print(f"envserve / openenv: {summary['ratio_vs_openenv']:.2f}x; / openenv_async: "
-          f"{summary['ratio_vs_openenv_async']:.2f}x (target: >= 2x)")
+    print(f"envserve counter / openenv counter: {summary['ratio_envserve_counter_vs_openenv']:.2f}x "
+          f"(async env: {summary['ratio_envserve_counter_vs_openenv_async']:.2f}x); target >= 2x")
     if args.json:
         print(json.dumps(summary))
     return 0
