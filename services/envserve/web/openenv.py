@@ -270,6 +270,7 @@ class OpenEnvSessions:
         if (config is not None and config != s.config) or (fmt is not None and fmt != s.action_format):
             new = await self.open(s.env_id, md, config if config is not None else s.config,
                                   fmt if fmt is not None else s.action_format, http=s.http)
+            new.sockets = s.sockets  # a socket attached to the old HTTP session holds the new one
             await self.close(s)
             s = new
         item = reset_item(s.session_id, opts.get("seed"), opts.get("task_id") or "", opts.get("split") or "",
