@@ -13,7 +13,9 @@
 - The client is the `websockets` library sending exactly the messages OpenEnv's EnvClient sends
   ({"type": "step", "data": {"message": ...}}), one connection per session; the sides alternate
   in rounds so load on the machine hits them alike. Reported: steps/s over all sessions at
-  --sessions concurrent sockets, p50/p90 of one step there, and p50 of one socket stepping alone.
+  --sessions concurrent sockets, the CPU time the server's processes spent per step there
+  (envserve: replica front, workers and facade; OpenEnv: its one process), p50/p90 of one step
+  there, and p50 of one socket stepping alone.
 
     python bench/openenv_endpoint.py --json
 """
@@ -151,9 +153,19 @@ async def open_socket(url: str, reset: dict):
     return ws
 
 
-async def run_side(side: tuple[str, dict], sessions: int, seconds: float, warmup: float = 0.5) -> dict:
-    """`sessions` sockets stepping as fast as their replies come for `seconds` (after a warm-up)."""
-    url, reset = side
+def cpu_seconds(pids: list[int]) -> float:
+    import psutil
+    total = 0.0
+    for pid in pids:
+        t = psutil.Process(pid).cpu_times()
+        total += t.user + t.system
+    return total
+
+
+async def run_side(side: tuple[str, dict, list[int]], sessions: int, seconds: float, warmup: float = 0.5) -> dict:
+    """`sessions` sockets stepping as fast as their replies come for `seconds` (after a warm-up);
+    also the CPU time the server's processes spent per step meanwhile."""
+    url, reset, pids = side
     sockets = await asyncio.gather(*[open_socket(url, reset) for _ in range(sessions)])
     latencies: list[list[float]] = [[] for _ in sockets]
     phase = {"record": False, "stop": False}
@@ -173,23 +185,26 @@ async def run_side(side: tuple[str, dict], sessions: int, seconds: float, warmup
     tasks = [asyncio.create_task(loop(k)) for k in range(sessions)]
     await asyncio.sleep(warmup)
     phase["record"] = True
+    cpu0 = cpu_seconds(pids)
     t0 = time.perf_counter()
     await asyncio.sleep(seconds)
     phase["record"] = False
     elapsed = time.perf_counter() - t0
+    cpu = cpu_seconds(pids) - cpu0
     phase["stop"] = True
     await asyncio.gather(*tasks)
     for ws in sockets:
         await ws.send(json.dumps({"type": "close"}))
         await ws.close()
     flat = sorted(x for lat in latencies for x in lat)
-    return {"steps": len(flat), "seconds": elapsed, "steps_per_s": len(flat) / elapsed,
+    return {"steps": len(flat), "seconds": elapsed, "steps_per_s": len(flat) / elapsed, "cpu_s": cpu,
             "p50_ms": 1e3 * flat[len(flat) // 2], "p90_ms": 1e3 * flat[int(len(flat) * 0.9)]}
 
 
 def merge(rounds: list[dict]) -> dict:
     steps = sum(r["steps"] for r in rounds)
     return {"steps": steps, "steps_per_s": steps / sum(r["seconds"] for r in rounds),
+            "server_cpu_us_per_step": 1e6 * sum(r["cpu_s"] for r in rounds) / steps,
             "p50_ms": statistics.median(r["p50_ms"] for r in rounds),
             "p90_ms": statistics.median(r["p90_ms"] for r in rounds)}
 
@@ -219,15 +234,16 @@ def main() -> int:
         with ServerProcess(["counter", ENV_ID], workers=args.workers, metrics=False,
                            env_vars={"PYTHONPATH": path}) as server, WebProcess.facade([server.address]) as web:
             # Sessions that never end: no turn limit (set at reset, which reopens the session).
-            sides = {"envserve_counter": (f"{web.url}/openenv/counter", {"seed": 0}),
+            mine = [server.proc.pid, web.proc.pid, *server.worker_pids()]  # front, facade, workers
+            sides = {"envserve_counter": (f"{web.url}/openenv/counter", {"seed": 0}, mine),
                      "envserve_frozenlake": (f"{web.url}/openenv/{ENV_ID}",
-                                             {"seed": 0, "config": CONFIG, "action_format": "no_think"})}
+                                             {"seed": 0, "config": CONFIG, "action_format": "no_think"}, mine)}
             children = []
             try:
                 for name, use_async in (("openenv", False), ("openenv_async", True)):
                     p = OpenEnvProcess(use_async)
                     children.append(p)
-                    sides[name] = (p.url, {"seed": 0})
+                    sides[name] = (p.url, {"seed": 0}, [p.proc.pid])
                 concurrent = {name: [] for name in sides}
                 alone = {name: [] for name in sides}
 
@@ -256,9 +272,11 @@ def main() -> int:
     for mine in ("envserve_counter", "envserve_frozenlake"):
         for theirs in ("openenv", "openenv_async"):
             summary[f"ratio_{mine}_vs_{theirs}"] = results[mine]["steps_per_s"] / results[theirs]["steps_per_s"]
-    print(f"| server | steps/s at {args.sessions} sockets | p50 ms | p90 ms | one socket p50 ms |\n|---|---|---|---|---|")
+    print(f"| server | steps/s at {args.sessions} sockets | server CPU us/step | p50 ms | p90 ms | one socket p50 ms |\n"
+          "|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['steps_per_s']:.0f} | {r['p50_ms']:.2f} | {r['p90_ms']:.2f} | {r['alone_p50_ms']:.2f} |")
+        print(f"| {name} | {r['steps_per_s']:.0f} | {r['server_cpu_us_per_step']:.0f} | {r['p50_ms']:.2f} | "
+              f"{r['p90_ms']:.2f} | {r['alone_p50_ms']:.2f} |")
     print(f"envserve counter / openenv counter: {summary['ratio_envserve_counter_vs_openenv']:.2f}x "
           f"(async env: {summary['ratio_envserve_counter_vs_openenv_async']:.2f}x); target >= 2x")
     if args.json:
