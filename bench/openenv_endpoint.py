@@ -77,7 +77,6 @@ def counter_distribution(folder: Path) -> str:
 
 # -- OpenEnv's own server, in a child process ---------------------------------------------------------
 def serve_openenv(port: int, use_async: bool) -> None:
-    import uvicorn
     from openenv.core.env_server import Action, Environment, Observation, State, create_fastapi_app
 
     class CounterAction(Action):

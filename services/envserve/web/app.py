@@ -25,7 +25,7 @@ from envserve.client._requests import get_state_request
 from envserve.directory import ReplicaInfo
 from envserve.v1 import envserve_pb2 as pb
 
-from .gateway import ApiError, Gateway, status_failure, step_failure
+from .gateway import ApiError, Gateway, step_failure
 from .page import PAGE
 from .routing import ReplicaTable
 
@@ -129,7 +129,7 @@ def create_app(directory_url: str = "", replicas=(), root_certificates: bytes | 
         return JSONResponse({"code": code.name, "message": str(e.detail)}, status_code=e.status_code)
 
     # -- helpers ------------------------------------------------------------------------------------
-    fan_out, session_replica, not_served = gateway.fan_out, gateway.session_replica, gateway.not_served
+    fan_out, session_replica = gateway.fan_out, gateway.session_replica
 
     async def batch(request: Request, message, method: str) -> dict:
         req = await parse_body(request, message)
