@@ -20,7 +20,7 @@ from envserve.v1 import envserve_pb2 as pb  # noqa: E402
 from envserve.v1 import envserve_pb2_grpc as pb_grpc  # noqa: E402
 from webproc import WebProcess  # noqa: E402
 
-IDLE_SECONDS = 2.0
+IDLE_SECONDS = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +165,7 @@ def test_http_sessions_step_and_are_reclaimed_when_idle(web, grid_server):
         assert r.status_code == 400 and "session_id" in r.json()["message"]
         # Calls keep it alive past the idle timeout; silence past it closes it on the replica.
         for _ in range(3):
-            time.sleep(IDLE_SECONDS * 0.4)
+            time.sleep(IDLE_SECONDS * 0.3)
             assert http.get(f"{base}/state", params={"session_id": sid}).status_code == 200
         assert sid in live(grid_server.address, "frozenlake")
         wait_until(lambda: sid not in live(grid_server.address, "frozenlake"), "the idle session was reclaimed")
