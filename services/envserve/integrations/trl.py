@@ -13,32 +13,27 @@ column named after the class.
     trainer = GRPOTrainer(model, args=GRPOConfig(...), train_dataset=rows_with_a_seed_column,
                           environment_factory=FrozenLake)
     trainer.train()
-    FrozenLake.close()   # every session of the pool, and the channel
+    FrozenLake.close()   # every session of the pool (the channel, shared per address, closes at exit)
 
-Each instance holds one session (opened on its first reset) on the gRPC channel its class shares. A
-tool call is one Step: the tool's argument is written as a minimal answer in the session's action
-format (`no_think` by default, so the server sees `<answer>Down</answer>`), which is how the same
+Each instance holds one session (opened on its first reset) on the gRPC channel all adapters share
+for the address. A tool call is one Step: the tool's argument is written as a minimal answer in the
+session's action format (`no_think` by default, so the server sees `<answer>Down</answer>`), which is how the same
 parser and rewards apply as for text-only policies. Invalid actions and finished episodes come back as
 text for the model, never as exceptions.
 """
 from __future__ import annotations
 
-import atexit
 import re
-import weakref
 from typing import Any, Callable, Mapping, Union
 
-from envserve.client import (EnvClient, EnvServeError, SessionLostError, SessionNotFoundError, decode_image,
-                             item_error)
+from envserve.client import decode_image
 from envserve.client.experts import plain_answer, session_settings
+
+from ._common import Endpoint, Session, action_choices, close_quietly, error_text, is_cell_space, step_text
 
 # What a tool returns: the step's text or, with images, TRL's content blocks. A real type (not a
 # string), because the tools' schemas are read from their evaluated type hints.
 Observation = Union[str, list[dict[str, Any]]]
-
-# Spec action spaces that get a typed tool (see `_tools_for`); anything else gets `act(action)`.
-_CHOICES = re.compile(r"^one of (?P<choices>[^()]+?)\s*(\(.*\))?$")
-_CELL = re.compile(r"^\(row, col\)")
 
 
 def environment_factory(address: str, env_id: str, config: Mapping[str, Any] | None = None,
@@ -57,10 +52,9 @@ def environment_factory(address: str, env_id: str, config: Mapping[str, Any] | N
     if tools not in ("auto", "act"):
         raise ValueError(f"tools must be 'auto' or 'act', got {tools!r}")
     plain_answer(action_format, ["x"])  # an unknown format fails here, not in the middle of training
-    pool = _Pool(address, dict(token=token, timeout=timeout, root_certificates=root_certificates, tls=tls))
-    spec = pool.client().get_spec(env_id)
+    pool = _Pool(Endpoint(address, token, timeout, root_certificates, tls))
+    spec = pool.endpoint.spec(env_id)
     if spec.action_formats and action_format not in spec.action_formats:
-        pool.close()
         raise ValueError(f"{env_id} accepts action formats {list(spec.action_formats)}, not {action_format!r}")
     settings = session_settings(spec, config)
     attrs: dict[str, Any] = dict(
@@ -71,54 +65,23 @@ def environment_factory(address: str, env_id: str, config: Mapping[str, Any] | N
     for tool in _tools_for(spec, settings, tools):
         attrs[tool.__name__] = tool
     name = "EnvServe" + "".join(part.capitalize() for part in re.split(r"[^A-Za-z0-9]+", env_id))
-    cls = type(name, (EnvServeEnvironment,), attrs)
-    # The pool outlives TRL's trainer (TRL never closes its environments): close at exit at the latest.
-    atexit.register(pool.close)
-    return cls
+    return type(name, (EnvServeEnvironment,), attrs)
 
 
 class _Pool:
-    """The channel a factory's instances share, created on first use, and their open sessions, so
-    that closing the pool closes them all in one call."""
+    """The open sessions of a factory's instances, so that closing the pool closes them all in one
+    call. The channel is the one every adapter shares for the address (see _common), closed at exit."""
 
-    def __init__(self, address: str, client_kwargs: dict):
-        self.address = address
-        self.client_kwargs = client_kwargs
-        self._client: EnvClient | None = None
+    def __init__(self, endpoint: Endpoint):
+        self.endpoint = endpoint
         self.sessions: set[str] = set()
 
-    def client(self) -> EnvClient:
-        if self._client is None:
-            self._client = EnvClient(self.address, **self.client_kwargs)
-        return self._client
-
-    def open(self, env_id: str, config: dict, action_format: str) -> str:
-        sid = self.client().open(env_id, 1, config, action_format)[0]
-        self.sessions.add(sid)
-        return sid
-
-    def release(self, sid: str) -> None:
-        """Close one session; never raises (it runs from finalizers, the server may be gone)."""
-        if sid in self.sessions and self._client is not None:
-            self.sessions.discard(sid)
-            try:
-                self._client.close_sessions([sid])
-            except Exception:
-                pass
+    def client(self):
+        return self.endpoint.client()
 
     def close(self) -> None:
         sids, self.sessions = sorted(self.sessions), set()
-        client, self._client = self._client, None
-        if client is None:
-            return
-        client.timeout = 5.0  # best effort: an unreachable replica must not hold up the exit
-        try:
-            if sids:
-                client.close_sessions(sids)
-        except Exception:
-            pass  # a server that is gone has dropped the sessions already (leases)
-        finally:
-            client.close()
+        close_quietly(self.endpoint, sids)  # best effort, with a short deadline: the replica may be gone
 
 
 class EnvServeEnvironment:
@@ -134,22 +97,22 @@ class EnvServeEnvironment:
     _rules: str
 
     def __init__(self):
-        # The session id lives in a list so the finalizer (which must not hold `self`) sees it change.
-        self._sid: list[str] = []
+        # Opened on the first reset; closed on the server when TRL drops the instance (the session's
+        # finalizer), and by the pool's close with all the others.
+        self._session = Session(self._pool.endpoint, self._env_id, self._config, self._action_format,
+                                tracker=self._pool.sessions)
         self._return = 0.0
         self._done = False
         self._last = None
-        # Closes the session when TRL drops the instance; at exit the pool closes them all in one call.
-        weakref.finalize(self, _release, self._pool, self._sid).atexit = False
 
     @classmethod
     def close(cls) -> None:
-        """Closes every session of the pool and the channel (a later reset opens them again)."""
+        """Closes every session of the pool (a later reset opens them again)."""
         cls._pool.close()
 
     @property
     def session_id(self) -> str:
-        return self._sid[0] if self._sid else ""
+        return self._session.id
 
     @property
     def last_result(self):
@@ -160,15 +123,10 @@ class EnvServeEnvironment:
         """Starts an episode from the dataset row's seed (or task_id, or split); returns what the model
         reads first."""
         seed = row.get("seed")
-        kwargs = dict(task_id=str(row.get("task_id") or ""), split=str(row.get("split") or ""))
         seed = None if seed is None else int(seed)
-        try:
-            result = self._reset(seed, kwargs)
-        except (SessionNotFoundError, SessionLostError):
-            # The lease expired between batches (TRL may idle longer than the lease), or the replica's
-            # worker died: a fresh session gives the same initial state for the same seed.
-            self._pool.sessions.discard(self._sid.pop())
-            result = self._reset(seed, kwargs)
+        # A session the server dropped (TRL may idle longer than the lease; a worker may die) is
+        # opened again: a fresh session gives the same initial state for the same seed.
+        result = self._session.reset(seed, str(row.get("task_id") or ""), str(row.get("split") or ""))
         self._return, self._done, self._last = 0.0, False, result
         # The rules may describe text answers; the tools are how this session takes actions.
         text = (f"{self._rules}\nAct by calling the tools.\n\n{result.observation.text}" if self._rules
@@ -179,36 +137,22 @@ class EnvServeEnvironment:
         """The episode's summed env reward (every component: task, format, invalid-action penalties)."""
         return self._return
 
-    def _reset(self, seed, kwargs):
-        if not self._sid:
-            self._sid.append(self._pool.open(self._env_id, self._config, self._action_format))
-        result = self._pool.client().reset([self._sid[0]], [seed], **kwargs)[0]
-        err = item_error(result)
-        if err is not None:
-            raise err
-        return result
-
     def _step(self, action: str) -> Observation:
         """One Step with `action` as the session's answer; what the model reads back."""
-        if not self._sid:
+        if not self._session.id:
             return "Error: the environment has not been reset."
         if self._done:
             return "The episode is over; no more actions are accepted."
-        text = plain_answer(self._action_format, [action], self._separator)
-        try:
-            result = self._pool.client().step([(self._sid[0], text)])[0]
-        except EnvServeError as e:  # the whole call failed (replica down, draining)
-            result, err = None, e
-        else:
-            err = item_error(result)
-        if err is not None:
-            # A lost or expired session ends this rollout; the model is told, the trainer goes on.
+        outcome = self._session.step(plain_answer(self._action_format, [action], self._separator))
+        if outcome.error is not None:
+            # A lost or expired session, or a replica gone, ends this rollout; the model is told, the
+            # trainer goes on.
             self._done = True
-            return f"Error: the environment failed ({err.code.name}: {err.message}). The episode is over."
-        self._last = result
+            return error_text(outcome.error)
+        result = self._last = outcome.result
         self._return += result.reward
         self._done = result.done or result.truncated
-        return _content(_step_text(result), result)
+        return _content(step_text(result), result)
 
     def _one(self, action: str) -> "str | None":
         """Why a typed tool's argument is not one action, or None: a separator inside it would make
@@ -219,26 +163,6 @@ class EnvServeEnvironment:
         if self._separator and self._separator in action:
             return f"Invalid action {action!r}: give exactly one action per call."
         return None
-
-
-def _release(pool: _Pool, sid: list[str]) -> None:
-    if sid:
-        pool.release(sid[0])
-
-
-def _step_text(result) -> str:
-    parts = []
-    if not result.action_valid:
-        parts.append(result.feedback or "Invalid action.")
-    elif result.feedback:
-        parts.append(result.feedback)
-    parts.append(result.observation.text)
-    parts.append(f"Reward: {result.reward:g}.")
-    if result.done:
-        parts.append("The episode is over: " + ("success." if result.success else "failure."))
-    elif result.truncated:
-        parts.append("The episode is over: turn limit reached.")
-    return "\n".join(p for p in parts if p)
 
 
 def _content(text: str, result) -> Observation:
@@ -258,10 +182,10 @@ def _content(text: str, result) -> Observation:
 def _tools_for(spec, settings: Mapping[str, Any], mode: str) -> list[Callable]:
     space = spec.action_space.strip()
     if mode == "auto":
-        m = _CHOICES.match(space)
-        if m:
-            return [_move_tool([c.strip() for c in m.group("choices").split(",") if c.strip()])]
-        if _CELL.match(space):
+        choices = action_choices(spec)
+        if choices:
+            return [_move_tool(choices)]
+        if is_cell_space(spec):
             return [_reveal_tool()]
     return [_act_tool(space, int(settings["max_actions_per_turn"]), str(settings["action_separator"]))]
 

@@ -1,0 +1,321 @@
+"""What the framework adapters (trl, skyrl, gem) share: one gRPC channel per address, cached specs,
+a session wrapper whose steps never raise, the text a step reads as, and the actions a spec lists.
+
+Only `envserve.client` is used. Channels are shared by every adapter in the process (a trainer makes
+an environment object per rollout; a channel each would cost a connection per rollout), live until
+`close_channels()` or the interpreter's exit, and are made again after a fork.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import re
+import threading
+import weakref
+from typing import Any, Mapping, Sequence
+
+import grpc
+
+from envserve.client import (EnvClient, EnvServeError, SessionLostError, SessionNotFoundError, item_error)
+from envserve.client.client import make_channel
+from envserve.client.experts import plain_answer, session_settings
+
+# Spec action spaces: "one of Up, Down, Left, Right (case-insensitive)", "(row, col), 0-based; ...".
+_CHOICES = re.compile(r"^one of (?P<choices>[^()]+?)\s*(\(.*\))?$")
+_CELL = re.compile(r"^\(row, col\)")
+
+# How long closing a session may take: a replica that is gone must not hold up a rollout or the exit.
+CLOSE_TIMEOUT = 5.0
+
+
+def action_choices(spec) -> list[str] | None:
+    """The primitive actions a spec lists ("one of A, B, C"), in the env's order, or None."""
+    m = _CHOICES.match(spec.action_space.strip())
+    return [c.strip() for c in m.group("choices").split(",") if c.strip()] if m else None
+
+
+def is_cell_space(spec) -> bool:
+    """Whether an action is a board cell "(row, col)" (Minesweeper)."""
+    return bool(_CELL.match(spec.action_space.strip()))
+
+
+# -- channels and specs ----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """Where sessions live and how to reach them; hashable, so equal endpoints share a channel."""
+    address: str
+    token: str | None = None
+    timeout: float | None = 60.0
+    root_certificates: "bytes | str | None" = None
+    tls: bool = False
+
+    def client(self, timeout: "float | None | object" = ...) -> EnvClient:
+        """An EnvClient on the shared channel (cheap: a client is stubs over the channel). Never
+        close it: that would close the channel under everyone else."""
+        channel = _channel(self.address, self.root_certificates, self.tls)
+        return EnvClient(self.address, timeout=self.timeout if timeout is ... else timeout, channel=channel,
+                         token=self.token)
+
+    def spec(self, env_id: str):
+        """GetSpec, once per endpoint and env (a trainer builds an env per rollout); an env the replica
+        does not serve is a ValueError."""
+        key = (self.address, self.root_certificates, self.tls, self.token, env_id)
+        with _LOCK:
+            spec = _SPECS.get(key)
+        if spec is None:
+            try:
+                spec = self.client().get_spec(env_id)
+            except SessionNotFoundError as e:  # NOT_FOUND: not served there
+                raise ValueError(f"{env_id!r} at {self.address}: {e.message}") from None
+            with _LOCK:
+                _SPECS[key] = spec
+        return spec
+
+
+_LOCK = threading.Lock()
+_CHANNELS: dict[tuple, tuple[int, grpc.Channel]] = {}
+_SPECS: dict[tuple, Any] = {}
+
+
+def _channel(address: str, root_certificates, tls: bool) -> grpc.Channel:
+    key = (address, root_certificates, tls)
+    with _LOCK:
+        pid_channel = _CHANNELS.get(key)
+        if pid_channel is None or pid_channel[0] != os.getpid():  # gRPC channels do not survive fork
+            pid_channel = (os.getpid(), make_channel(address, root_certificates, tls))
+            _CHANNELS[key] = pid_channel
+        return pid_channel[1]
+
+
+def close_channels() -> None:
+    """Closes every shared channel (a later call makes them again). Run at exit."""
+    with _LOCK:
+        channels, _ = list(_CHANNELS.values()), _CHANNELS.clear()
+        _SPECS.clear()
+    for pid, channel in channels:
+        if pid == os.getpid():
+            channel.close()
+
+
+atexit.register(close_channels)
+
+
+def plain_dict(value: Any, what: str) -> dict:
+    """A mapping as a plain dict: a dict, an omegaconf DictConfig (SkyRL's env_config) or a dataclass;
+    None is empty. Anything else is a ValueError naming `what`."""
+    if value is None:
+        return {}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if type(value).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+        value = OmegaConf.to_container(value, resolve=True)
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{what} must be a mapping, got {type(value).__name__}")
+    return {str(k): (plain_dict(v, what) if isinstance(v, Mapping) or type(v).__module__.startswith("omegaconf")
+                     else v) for k, v in value.items()}
+
+
+# -- sessions --------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Outcome:
+    """One Step of a Session: the StepResult, or the error that ended the episode instead (the call
+    failed: replica down, draining; or the item failed: session lost, lease expired)."""
+    result: Any = None
+    error: EnvServeError | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self.error is not None or self.result.done or self.result.truncated
+
+    @property
+    def reward(self) -> float:
+        return 0.0 if self.result is None else float(self.result.reward)
+
+    def text(self) -> str:
+        return error_text(self.error) if self.error is not None else step_text(self.result)
+
+
+class Session:
+    """One envserve session, opened lazily (or by `open()`), reopened by a reset when the server lost
+    it; `step` never raises. `tracker`, where given, is a set holding the ids of open sessions (a pool
+    closes them all in one call). A session that is garbage-collected is closed on the server."""
+
+    def __init__(self, endpoint: Endpoint, env_id: str, config: Mapping[str, Any] | None = None,
+                 action_format: str = "no_think", tracker: "set[str] | None" = None):
+        self.endpoint = endpoint
+        self.env_id = env_id
+        self.config = dict(config or {})
+        self.action_format = action_format
+        self.tracker = tracker
+        self.system_prompt = ""      # Open's: the env's rules with the format's answer instructions
+        # The id lives in a list so the finalizer (which must not hold `self`) sees it change.
+        self._sid: list[str] = []
+        self._client = endpoint.client()
+        weakref.finalize(self, _close_ids, endpoint, self._sid, tracker).atexit = False
+
+    @property
+    def id(self) -> str:
+        return self._sid[0] if self._sid else ""
+
+    def open(self) -> str:
+        """Opens the session now (construction-time checks: an unknown config key, a bad value or an
+        action format the env does not take is a ValueError)."""
+        if not self._sid:
+            try:
+                reply = self._client.open_sessions(self.env_id, 1, self.config, self.action_format)
+            except EnvServeError as e:
+                if e.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
+                    raise ValueError(f"{self.env_id} at {self.endpoint.address}: {e.message}") from None
+                raise
+            self.system_prompt = reply.system_prompt
+            self._adopt(reply.session_ids[0])
+        return self._sid[0]
+
+    def _adopt(self, sid: str) -> None:
+        self._sid.append(sid)
+        if self.tracker is not None:
+            self.tracker.add(sid)
+
+    def _forget(self) -> None:
+        if self._sid:
+            sid = self._sid.pop()
+            if self.tracker is not None:
+                self.tracker.discard(sid)
+
+    def reset(self, seed: int | None = None, task_id: str = "", split: str = ""):
+        """Reset to `seed` (or a task id or split); returns the StepResult. A session the server no
+        longer has (lease expired, worker died) is opened again, once: same seed, same start."""
+        self.open()
+        try:
+            return self._reset(seed, task_id, split)
+        except (SessionNotFoundError, SessionLostError):
+            self._forget()
+            self.open()
+            return self._reset(seed, task_id, split)
+
+    def _reset(self, seed, task_id, split):
+        result = self._client.reset([self._sid[0]], [seed], task_id=task_id, split=split)[0]
+        err = item_error(result)
+        if err is not None:
+            raise err
+        return result
+
+    def step(self, text: str) -> Outcome:
+        """One Step with the model's text, as is (the session's action format parses it)."""
+        if not self._sid:
+            return Outcome(error=EnvServeError(grpc.StatusCode.FAILED_PRECONDITION, "the session is not open"))
+        try:
+            result = self._client.step([(self._sid[0], text)])[0]
+        except EnvServeError as e:
+            return Outcome(error=e)
+        err = item_error(result)
+        return Outcome(error=err) if err is not None else Outcome(result=result)
+
+    def state(self):
+        """GetState of the current turn (the ground truth experts read)."""
+        return self._client.get_state(self.id, -1)
+
+    def fork(self) -> "Session":
+        """A new session in this one's exact state (Fork), with the same settings."""
+        twin = Session(self.endpoint, self.env_id, self.config, self.action_format, self.tracker)
+        twin.system_prompt = self.system_prompt
+        twin._adopt(self._client.fork(self.open(), 1)[0])
+        return twin
+
+    def close(self) -> None:
+        """Closes the session on the server; never raises (the replica may be gone). A later reset
+        opens a new one."""
+        sid = list(self._sid)
+        self._forget()
+        _close_ids(self.endpoint, sid, None)
+
+    def settings(self) -> dict[str, Any]:
+        """Every config key of the session: the spec's defaults with the session's config over them."""
+        return session_settings(self.endpoint.spec(self.env_id), self.config)
+
+    def answer(self, actions: Sequence[str]) -> str:
+        """A minimal valid answer in the session's action format carrying `actions`."""
+        return plain_answer(self.action_format, list(actions), str(self.settings()["action_separator"]))
+
+
+def _close_ids(endpoint: Endpoint, sids: list[str], tracker: "set[str] | None") -> None:
+    if not sids:
+        return
+    if tracker is not None:
+        for sid in sids:
+            tracker.discard(sid)
+    close_quietly(endpoint, sids)
+
+
+def close_quietly(endpoint: Endpoint, sids: Sequence[str]) -> None:
+    """Close sessions in one call, with a short deadline; never raises (a server that is gone has
+    dropped them already, or its leases will)."""
+    if not sids:
+        return
+    try:
+        endpoint.client(timeout=CLOSE_TIMEOUT).close_sessions(list(sids))
+    except Exception:
+        pass
+
+
+# -- text ------------------------------------------------------------------------------------------
+def error_text(err: EnvServeError) -> str:
+    return f"Error: the environment failed ({err.code.name}: {err.message}). The episode is over."
+
+
+def step_text(result) -> str:
+    """What the model reads after a step: feedback (why an action was invalid), the observation, the
+    reward and, at the end, how the episode ended."""
+    parts = []
+    if not result.action_valid:
+        parts.append(result.feedback or "Invalid action.")
+    elif result.feedback:
+        parts.append(result.feedback)
+    parts.append(result.observation.text)
+    parts.append(f"Reward: {result.reward:g}.")
+    if result.done:
+        parts.append("The episode is over: " + ("success." if result.success else "failure."))
+    elif result.truncated:
+        parts.append("The episode is over: turn limit reached.")
+    return "\n".join(p for p in parts if p)
+
+
+def first_text(rules: str, result) -> str:
+    """What the model reads first: the rules, then the first observation."""
+    return f"{rules}\n\n{result.observation.text}" if rules else result.observation.text
+
+
+def step_info(outcome: Outcome) -> dict[str, Any]:
+    """A step's details for a framework's info/metadata dict (plain Python values only)."""
+    if outcome.error is not None:
+        return {"error": error_text(outcome.error), "error_code": outcome.error.code.name, "action_valid": False,
+                "success": False, "truncated": False}
+    r = outcome.result
+    return {"turn": int(r.turn), "action_valid": bool(r.action_valid), "success": bool(r.success),
+            "truncated": bool(r.truncated), "feedback": r.feedback, "parsed_actions": list(r.parsed_actions),
+            "actions_executed": int(r.actions_executed), "reward_components": dict(r.reward_components),
+            "episode": int(r.episode), "info": _struct(r.info)}
+
+
+def _struct(struct) -> dict:
+    from google.protobuf.json_format import MessageToDict
+    return MessageToDict(struct) if struct is not None else {}
+
+
+def row_reset_args(*rows: Mapping[str, Any] | None) -> tuple[int | None, str, str]:
+    """(seed, task_id, split) from the first of `rows` that has them (a dataset row, then its nested
+    extra_info...). A seed that is not a whole number is a ValueError."""
+    seed, task_id, split = None, "", ""
+    for row in rows:
+        if not row:
+            continue
+        if seed is None and row.get("seed") is not None:
+            try:
+                seed = int(row["seed"])
+            except (TypeError, ValueError):
+                raise ValueError(f"seed must be a whole number, got {row['seed']!r}") from None
+        task_id = task_id or str(row.get("task_id") or "")
+        split = split or str(row.get("split") or "")
+    return seed, task_id, split
