@@ -300,8 +300,16 @@ def step_info(outcome: Outcome) -> dict[str, Any]:
 
 
 def _struct(struct) -> dict:
-    from google.protobuf.json_format import MessageToDict
-    return MessageToDict(struct) if struct is not None else {}
+    """A protobuf Struct as plain Python (a few microseconds; json_format's is several times slower)."""
+    return {k: _plain(v) for k, v in struct.items()} if struct.fields else {}
+
+
+def _plain(v):
+    if isinstance(v, (str, float, bool)) or v is None:
+        return v
+    if hasattr(v, "fields"):            # a nested Struct
+        return _struct(v)
+    return [_plain(x) for x in v]       # a ListValue
 
 
 def row_reset_args(*rows: Mapping[str, Any] | None) -> tuple[int | None, str, str]:
