@@ -3,10 +3,15 @@ directly, with 64 rollouts stepping concurrently (one thread each, as TRL's pool
 GEM's env workers call them).
 
 Both sides run in the same process against the same real server on loopback, alternating in rounds
-so that load on the machine hits them alike: the direct side calls `EnvClient.step` with the answer
-text; an adapter side calls what its framework calls (TRL: the `move` tool). Per side: steps/s over
-all rollouts and the p50/p90 latency of one call; per adapter: the p50 it adds over direct and its
-steps/s as a ratio of direct's. Adapters whose framework is not installed are skipped.
+(each round starting with another side) so that load on the machine hits them alike: the direct side
+calls `EnvClient.step` with the answer text; an adapter side calls what its framework calls (TRL: the
+`move` tool; SkyRL: the env's `step` with the answer text, a fresh env made per episode as SkyRL's
+generator does; GEM: `step`). Per side: steps/s over all rollouts, the p50/p90 latency of one call
+and this process's CPU time per step; per adapter: its steps/s as a ratio of direct's, and the p50
+and CPU per step it adds over direct (medians of the differences to direct in the same round). With
+64 threads on a few cores a step's latency is mostly queueing for the GIL, so the CPU an adapter adds
+is the steadier figure; `--rollouts 1` shows the latency of one step alone. Adapters whose framework
+is not installed are skipped.
 
     .venv/bin/python bench/integrations.py --json
 """
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import threading
@@ -75,6 +81,60 @@ def trl_side(address: str) -> tuple[Callable[[], Rollout], Callable[[], None]] |
     return (lambda: TRLRollout(cls)), cls.close
 
 
+class SkyRLRollout(Rollout):
+    """As SkyRL's generator: a fresh env per trajectory (made and init'ed in reset, outside the timing)."""
+
+    def __init__(self, env_class):
+        self.env_class, self.env = env_class, None
+
+    def reset(self, seed):
+        import skyrl_gym
+        self.close()
+        self.env = skyrl_gym.make(self.env_class, env_config={}, extras={"seed": seed})
+        self.env.init([])
+
+    def step(self, i):
+        return self.env.step(f"<answer>{DIRECTIONS[i % 4]}</answer>")["done"]
+
+    def close(self):
+        if self.env is not None:
+            self.env.close()
+
+
+def skyrl_side(address: str) -> tuple[Callable[[], Rollout], Callable[[], None]] | None:
+    try:
+        from envserve.integrations.skyrl import register
+    except ImportError:
+        return None
+    (env_class,) = register(address, [ENV_ID], prefix="bench-", config=CONFIG, include_rules=False)
+    return (lambda: SkyRLRollout(env_class)), lambda: None
+
+
+class GEMRollout(Rollout):
+    def __init__(self, env_id):
+        import gem
+        self.env = gem.make(env_id)
+
+    def reset(self, seed):
+        self.env.reset(seed)
+
+    def step(self, i):
+        _, _, terminated, truncated, _ = self.env.step(f"<answer>{DIRECTIONS[i % 4]}</answer>")
+        return terminated or truncated
+
+    def close(self):
+        self.env.close()
+
+
+def gem_side(address: str) -> tuple[Callable[[], Rollout], Callable[[], None]] | None:
+    try:
+        from envserve.integrations.gem import register
+    except ImportError:
+        return None
+    (env_id,) = register(address, [ENV_ID], prefix="bench:", config=CONFIG, include_rules=False)
+    return (lambda: GEMRollout(env_id)), lambda: None
+
+
 def run_side(make: Callable[[], Rollout], rollouts: int, seconds: float) -> dict:
     """`rollouts` threads stepping for `seconds`; latency of every step call."""
     envs = [make() for _ in range(rollouts)]
@@ -99,24 +159,35 @@ def run_side(make: Callable[[], Rollout], rollouts: int, seconds: float) -> dict
     for t in threads:
         t.start()
     start.wait()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     time.sleep(seconds)
     stop.set()
     for t in threads:
         t.join()
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     for env in envs:
         env.close()
     flat = sorted(x for lat in latencies for x in lat)
+    # cpu: this process's CPU time (every thread: the rollouts' Python and gRPC's) per step; the
+    # server is another process. Under load from elsewhere it moves much less than latency does.
     return {"steps": len(flat), "seconds": elapsed, "steps_per_s": len(flat) / elapsed,
-            "p50_ms": 1e3 * flat[len(flat) // 2], "p90_ms": 1e3 * flat[int(len(flat) * 0.9)]}
+            "p50_ms": 1e3 * flat[len(flat) // 2], "p90_ms": 1e3 * flat[int(len(flat) * 0.9)],
+            "cpu_us_per_step": 1e6 * cpu / max(1, len(flat))}
 
 
-def merge(rounds: list[dict]) -> dict:
+def merge(rounds: list[dict], direct: list[dict] | None = None) -> dict:
+    """A side over its rounds; against direct's rounds, what it adds: the median over rounds of the
+    difference to direct in the same round (paired, so load that changes between rounds cancels)."""
     steps = sum(r["steps"] for r in rounds)
-    return {"steps": steps, "steps_per_s": steps / sum(r["seconds"] for r in rounds),
-            "p50_ms": statistics.median(r["p50_ms"] for r in rounds),
-            "p90_ms": statistics.median(r["p90_ms"] for r in rounds)}
+    out = {"steps": steps, "steps_per_s": steps / sum(r["seconds"] for r in rounds),
+           "p50_ms": statistics.median(r["p50_ms"] for r in rounds),
+           "p90_ms": statistics.median(r["p90_ms"] for r in rounds),
+           "cpu_us_per_step": statistics.median(r["cpu_us_per_step"] for r in rounds)}
+    if direct is not None:
+        out["added_p50_ms"] = statistics.median(r["p50_ms"] - d["p50_ms"] for r, d in zip(rounds, direct))
+        out["added_cpu_us_per_step"] = statistics.median(r["cpu_us_per_step"] - d["cpu_us_per_step"]
+                                                         for r, d in zip(rounds, direct))
+    return out
 
 
 def main() -> int:
@@ -134,30 +205,34 @@ def main() -> int:
     with ServerProcess([ENV_ID], workers=args.workers, metrics=False) as server, \
             EnvClient(server.address) as client:
         sides: dict[str, tuple] = {"direct": ((lambda: DirectRollout(client)), lambda: None)}
-        for name, build in {"trl": trl_side}.items():
+        for name, build in {"trl": trl_side, "skyrl": skyrl_side, "gem": gem_side}.items():
             side = build(server.address)
             if side is None:
                 print(f"{name}: framework not installed, skipped")
             else:
                 sides[name] = side
         rounds: dict[str, list[dict]] = {name: [] for name in sides}
-        for _ in range(args.rounds):
-            for name, (make, _) in sides.items():
-                rounds[name].append(run_side(make, args.rollouts, args.seconds))
+        names = list(sides)
+        for k in range(args.rounds):
+            # Each round starts with another side, so no side always follows the same one.
+            for name in names[k % len(names):] + names[:k % len(names)]:
+                rounds[name].append(run_side(sides[name][0], args.rollouts, args.seconds))
         for _, close in sides.values():
             close()
 
-    results = {name: merge(r) for name, r in rounds.items()}
+    results = {name: merge(r, None if name == "direct" else rounds["direct"]) for name, r in rounds.items()}
     direct = results["direct"]
-    summary = {"env": ENV_ID, "rollouts": args.rollouts, "direct": direct}
-    print(f"| side | steps/s | ratio to direct | p50 ms | added p50 ms | p90 ms |\n|---|---|---|---|---|---|")
+    summary = {"env": ENV_ID, "rollouts": args.rollouts, "rounds": args.rounds, "load_average": os.getloadavg(),
+               "direct": direct}
+    print("| side | steps/s | ratio to direct | p50 ms | added p50 ms | p90 ms | client CPU us/step | added CPU us |\n"
+          "|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         if name != "direct":
-            r = dict(r, steps_per_s_ratio=r["steps_per_s"] / direct["steps_per_s"],
-                     added_p50_ms=r["p50_ms"] - direct["p50_ms"])
+            r = dict(r, steps_per_s_ratio=r["steps_per_s"] / direct["steps_per_s"])
             summary[name] = r
         print(f"| {name} | {r['steps_per_s']:.0f} | {r.get('steps_per_s_ratio', 1.0):.2f} | {r['p50_ms']:.2f} | "
-              f"{r.get('added_p50_ms', 0.0):+.3f} | {r['p90_ms']:.2f} |")
+              f"{r.get('added_p50_ms', 0.0):+.3f} | {r['p90_ms']:.2f} | {r['cpu_us_per_step']:.0f} | "
+              f"{r.get('added_cpu_us_per_step', 0.0):+.0f} |")
     if args.json:
         print(json.dumps(summary))
     return 0
