@@ -1,4 +1,11 @@
 """Thin adapters that let other trainers use envserve sessions, built only on envserve.client.
 
 trl: `environment_factory(address, env_id, ...)` for `trl.GRPOTrainer(environment_factory=...)`.
+skyrl: `register(address, env_ids)` and `EnvServeTextEnv`, a skyrl_gym BaseTextEnv (`skyrl_gym.make`).
+gem: `register(address, env_ids)` and `EnvServeEnv`, a gem.Env (`gem.make`, `gem.make_vec`).
+What they share (one channel per address, the session wrapper) is in `_common`; `close_channels()`
+closes the shared channels (they close at exit anyway).
 """
+from ._common import close_channels
+
+__all__ = ["close_channels"]
