@@ -204,3 +204,26 @@ def test_a_replica_killed_mid_episode_truncates_the_episode_with_a_message(own_s
     assert (reward, terminated, truncated) == (0.0, False, True)
     assert info["error"].startswith("Error: the environment failed (UNAVAILABLE") and obs == info["error"]
     env.close()  # best effort, quick with the replica gone
+
+
+def test_sessions_survive_close_channels_and_are_closed_at_exit(grid_server, env_ids):
+    import subprocess
+    import sys
+
+    from envserve.integrations import close_channels
+    env = gem.make("envserve:frozenlake")
+    env.reset(seed=0)
+    close_channels()                                               # the next call takes a new channel
+    assert env.step("<answer>Left</answer>")[4]["action_valid"]
+    env.close()
+    # A process that never closes its envs (GEM's vector envs have no close) leaves nothing open.
+    code = ("import gem\n"
+            "from envserve.integrations.gem import register\n"
+            f"register({grid_server.address!r}, ['frozenlake'])\n"
+            "envs = [gem.make('envserve:frozenlake') for _ in range(3)]\n"
+            "[e.reset(seed=1) for e in envs]\n"
+            "print(' '.join(e.session_id for e in envs))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    sids = set(out.split())
+    assert len(sids) == 3
+    assert not sids & live_session_ids(grid_server.address, "frozenlake")

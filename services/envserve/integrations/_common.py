@@ -3,7 +3,8 @@ a session wrapper whose steps never raise, the text a step reads as, and the act
 
 Only `envserve.client` is used. Channels are shared by every adapter in the process (a trainer makes
 an environment object per rollout; a channel each would cost a connection per rollout), live until
-`close_channels()` or the interpreter's exit, and are made again after a fork.
+`close_channels()` or the interpreter's exit, and are made again after a fork. At exit the sessions
+still open are closed first (frameworks often never close their environments).
 """
 from __future__ import annotations
 
@@ -76,6 +77,10 @@ class Endpoint:
 _LOCK = threading.Lock()
 _CHANNELS: dict[tuple, tuple[int, grpc.Channel]] = {}
 _SPECS: dict[tuple, Any] = {}
+# Bumped by close_channels, so sessions holding a client of a closed channel take a new one.
+_GENERATION = [0]
+# Every Session with an open id, to close what the frameworks never close (GEM's vector envs) at exit.
+_OPEN: "weakref.WeakSet[Session]" = weakref.WeakSet()
 
 
 def _channel(address: str, root_certificates, tls: bool) -> grpc.Channel:
@@ -89,16 +94,28 @@ def _channel(address: str, root_certificates, tls: bool) -> grpc.Channel:
 
 
 def close_channels() -> None:
-    """Closes every shared channel (a later call makes them again). Run at exit."""
+    """Closes every shared channel (a later call makes them again)."""
     with _LOCK:
         channels, _ = list(_CHANNELS.values()), _CHANNELS.clear()
         _SPECS.clear()
+        _GENERATION[0] += 1
     for pid, channel in channels:
         if pid == os.getpid():
             channel.close()
 
 
-atexit.register(close_channels)
+def _at_exit() -> None:
+    """Closes the sessions still open (one Close per endpoint, short deadlines), then the channels."""
+    by_endpoint: dict[Endpoint, list[str]] = {}
+    for session in list(_OPEN):
+        if session.id:
+            by_endpoint.setdefault(session.endpoint, []).append(session.id)
+    for endpoint, sids in by_endpoint.items():
+        close_quietly(endpoint, sids)
+    close_channels()
+
+
+atexit.register(_at_exit)
 
 
 def plain_dict(value: Any, what: str) -> dict:
@@ -152,19 +169,25 @@ class Session:
         self.system_prompt = ""      # Open's: the env's rules with the format's answer instructions
         # The id lives in a list so the finalizer (which must not hold `self`) sees it change.
         self._sid: list[str] = []
-        self._client = endpoint.client()
+        self._client, self._generation = endpoint.client(), _GENERATION[0]
         weakref.finalize(self, _close_ids, endpoint, self._sid, tracker).atexit = False
 
     @property
     def id(self) -> str:
         return self._sid[0] if self._sid else ""
 
+    @property
+    def client(self) -> EnvClient:
+        if self._generation != _GENERATION[0]:  # close_channels() closed the one this client used
+            self._client, self._generation = self.endpoint.client(), _GENERATION[0]
+        return self._client
+
     def open(self) -> str:
         """Opens the session now (construction-time checks: an unknown config key, a bad value or an
         action format the env does not take is a ValueError)."""
         if not self._sid:
             try:
-                reply = self._client.open_sessions(self.env_id, 1, self.config, self.action_format)
+                reply = self.client.open_sessions(self.env_id, 1, self.config, self.action_format)
             except EnvServeError as e:
                 if e.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
                     raise ValueError(f"{self.env_id} at {self.endpoint.address}: {e.message}") from None
@@ -175,6 +198,7 @@ class Session:
 
     def _adopt(self, sid: str) -> None:
         self._sid.append(sid)
+        _OPEN.add(self)
         if self.tracker is not None:
             self.tracker.add(sid)
 
@@ -196,7 +220,7 @@ class Session:
             return self._reset(seed, task_id, split)
 
     def _reset(self, seed, task_id, split):
-        result = self._client.reset([self._sid[0]], [seed], task_id=task_id, split=split)[0]
+        result = self.client.reset([self._sid[0]], [seed], task_id=task_id, split=split)[0]
         err = item_error(result)
         if err is not None:
             raise err
@@ -207,7 +231,7 @@ class Session:
         if not self._sid:
             return Outcome(error=EnvServeError(grpc.StatusCode.FAILED_PRECONDITION, "the session is not open"))
         try:
-            result = self._client.step([(self._sid[0], text)])[0]
+            result = self.client.step([(self._sid[0], text)])[0]
         except EnvServeError as e:
             return Outcome(error=e)
         err = item_error(result)
@@ -215,13 +239,13 @@ class Session:
 
     def state(self):
         """GetState of the current turn (the ground truth experts read)."""
-        return self._client.get_state(self.id, -1)
+        return self.client.get_state(self.id, -1)
 
     def fork(self) -> "Session":
         """A new session in this one's exact state (Fork), with the same settings."""
         twin = Session(self.endpoint, self.env_id, self.config, self.action_format, self.tracker)
         twin.system_prompt = self.system_prompt
-        twin._adopt(self._client.fork(self.open(), 1)[0])
+        twin._adopt(self.client.fork(self.open(), 1)[0])
         return twin
 
     def close(self) -> None:
