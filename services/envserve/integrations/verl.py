@@ -1,0 +1,417 @@
+"""envserve environments for verl (0.9): a multi-turn agent loop and a stateful tool.
+
+Imported only where verl is installed (deploy/trainer/verl-venv.sh builds such a venv); envserve is
+used through `envserve.client` only.
+
+**The agent loop**, registered with verl's agent-loop registry as `envserve_agent`. verl builds one
+per dataset row (hydra-instantiated with the trainer config, its LLM server client, the tokenizer and
+processor) and awaits `run(sampling_params, **row)`. Each run is one episode in its own envserve
+session: Open (the env's rules and answer format become the system message), Reset with the row's
+seed, the first observation as the user message, then turn after turn: generate with verl's server
+client (token ids in, token ids out), decode, Step, append the observation as a user turn. Prompt and
+turns are tokenized by verl's own Continuous Token builder (the chat template's delta), so the
+response mask is 1 on generated tokens and 0 on observation turns and the template's scaffolding. The
+episode ends when the env says done or truncated, after `max_turns` turns, or when the response budget
+(`actor_rollout_ref.rollout.response_length`) is spent. reward_score is the episode's summed env
+reward; the session is closed at the end, also when anything fails.
+
+Settings, in increasing precedence: the agent-loop entry of `agent_loop_config_path` (keys passed to
+the constructor: address, env_id, env_config, action_format, max_turns, token, timeout), then the
+dataset row (columns, or keys of its `extra_info`): env_id, env_config, action_format, seed, task_id,
+split. The address may also come from the ENVSERVE_ADDRESS variable.
+
+    # agent_loops.yaml, named by actor_rollout_ref.rollout.agent.agent_loop_config_path
+    - name: envserve_agent
+      _target_: envserve.integrations.verl.EnvServeAgentLoop
+      address: envserve:50051
+      env_id: sokoban
+      action_format: free_think
+      max_turns: 8
+
+**The tool** (`EnvServeTool`, a verl BaseTool, for tool-calling loops): `create` opens and resets a
+session (seed from its kwargs), `execute` is one Step with the call's argument written as a minimal
+answer in the session's format, `calc_reward` is the episode return, `release` closes the session.
+
+    # tools.yaml, named by actor_rollout_ref.rollout.multi_turn.tool_config_path
+    tools:
+      - class_name: envserve.integrations.verl.EnvServeTool
+        config: {type: native, address: "envserve:50051", env_id: frozenlake}
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+from uuid import uuid4
+
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
+from verl.tools.base_tool import BaseTool
+from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+
+from envserve.client import AsyncEnvClient, EnvClient, EnvServeError, decode_image, item_error
+from envserve.client.experts import plain_answer, session_settings
+
+logger = logging.getLogger(__name__)
+
+AGENT_NAME = "envserve_agent"
+_CHOICES = re.compile(r"^one of (?P<choices>[^()]+?)\s*(\(.*\))?$")
+_CELL = re.compile(r"^\(row, col\)")
+
+# One asyncio channel per (event loop, address, token): verl makes an agent loop per row, and a grpc
+# aio channel belongs to the loop it was made on. Channels of a finished loop go with it.
+_clients: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict]" = weakref.WeakKeyDictionary()
+
+
+def _client(address: str, token: str | None, timeout: float | None) -> AsyncEnvClient:
+    per_loop = _clients.setdefault(asyncio.get_running_loop(), {})
+    key = (address, token, timeout)
+    if key not in per_loop:
+        per_loop[key] = AsyncEnvClient(address, timeout=timeout, token=token)
+    return per_loop[key]
+
+
+def _plain(value: Any) -> Any:
+    """Row values arrive as numpy scalars/arrays and config values as OmegaConf containers."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+        if isinstance(value, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # pragma: no cover - verl depends on omegaconf
+        pass
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        return value.item()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return value
+
+
+def _images(result) -> list:
+    from PIL import Image
+    return [Image.fromarray(decode_image(im)) for im in result.observation.images]
+
+
+def _user_content(text: str, images: list) -> "str | list[dict]":
+    if not images:
+        return text
+    return [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]
+
+
+def observation_text(result) -> str:
+    """What the model reads after a step: the env's feedback (why an action was invalid, what
+    happened), then the new observation."""
+    parts = []
+    if not result.action_valid:
+        parts.append(result.feedback or "Invalid action.")
+    elif result.feedback:
+        parts.append(result.feedback)
+    parts.append(result.observation.text)
+    return "\n".join(p for p in parts if p)
+
+
+@dataclass
+class EpisodeSettings:
+    address: str
+    env_id: str
+    env_config: dict = field(default_factory=dict)
+    action_format: str = ""
+    max_turns: int = 0
+    seed: Optional[int] = None
+    task_id: str = ""
+    split: str = ""
+    token: Optional[str] = None
+    timeout: Optional[float] = 60.0
+
+
+@register(AGENT_NAME)
+class EnvServeAgentLoop(AgentLoopBase):
+    """One envserve episode per verl rollout (see the module's doc)."""
+
+    def __init__(self, *args, address: str | None = None, env_id: str | None = None,
+                 env_config: Mapping[str, Any] | None = None, action_format: str = "", max_turns: int = 0,
+                 token: str | None = None, timeout: float | None = 60.0, tools=None, **kwargs):
+        # `tools` (verl's tool list) and `name` (the registry entry's) are verl's; this loop has no tools.
+        kwargs.pop("name", None)
+        super().__init__(*args, **kwargs)
+        self.defaults = dict(address=address or os.environ.get("ENVSERVE_ADDRESS", ""), env_id=env_id or "",
+                             env_config=dict(_plain(env_config) or {}), action_format=action_format or "",
+                             max_turns=int(max_turns or 0), token=token, timeout=timeout)
+        self.response_length = int(self.rollout_config.response_length)
+
+    def settings(self, row: Mapping[str, Any]) -> EpisodeSettings:
+        """The episode's settings: this loop's defaults, overridden by the row's columns, then by
+        the keys of its extra_info."""
+        s = dict(self.defaults)
+        extra = _plain(row.get("extra_info")) or {}
+        for source in (row, extra if isinstance(extra, Mapping) else {}):
+            for key in ("env_id", "env_config", "action_format", "max_turns", "seed", "task_id", "split"):
+                if key in source and source[key] is not None:
+                    s[key] = _plain(source[key])
+        if not s["address"] or not s["env_id"]:
+            raise ValueError("EnvServeAgentLoop needs an address and an env_id: set them in the agent loop's "
+                             "config entry (or ENVSERVE_ADDRESS) or in the dataset row")
+        seed = s.get("seed")
+        return EpisodeSettings(
+            address=s["address"], env_id=str(s["env_id"]), env_config=dict(s.get("env_config") or {}),
+            action_format=str(s.get("action_format") or ""), max_turns=int(s.get("max_turns") or 0),
+            seed=None if seed is None or seed == "" else int(seed), task_id=str(s.get("task_id") or ""),
+            split=str(s.get("split") or ""), token=s.get("token"), timeout=s.get("timeout"))
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
+        s = self.settings(kwargs)
+        client = _client(s.address, s.token, s.timeout)
+        sids, system_prompt = await client.open_with_prompt(s.env_id, 1, s.env_config, s.action_format)
+        sid = sids[0]
+        try:
+            return await self._episode(client, sid, system_prompt, s, sampling_params)
+        finally:
+            try:
+                await client.close_sessions([sid])
+            except Exception as e:  # the replica may be gone; its lease drops the session then
+                logger.warning("closing envserve session %s failed: %s", sid, e)
+
+    async def _episode(self, client: AsyncEnvClient, sid: str, system_prompt: str, s: EpisodeSettings,
+                       sampling_params: dict[str, Any]) -> AgentLoopOutput:
+        first = (await client.reset([sid], [s.seed], task_id=s.task_id, split=s.split))[0]
+        err = item_error(first)
+        if err is not None:
+            raise err
+        images = _images(first)
+        messages: list[dict[str, Any]] = [{"role": "system", "content": system_prompt},
+                                          {"role": "user", "content": _user_content(first.observation.text, images)}]
+        self._assert_mm_supported(bool(images))
+        runtime_ids = await self.ct_build_initial_tokens(messages, images=images or None)
+        want_logprobs = bool(sampling_params.get("logprobs"))
+        mask: list[int] = []
+        logprobs: Optional[list[float]] = [] if want_logprobs else None
+        request_id = uuid4().hex
+        rewards: list[float] = []
+        success = False
+        invalid = 0
+        assistant_turns = observation_turns = 0
+        env_error = ""
+        metrics: dict[str, Any] = {"generate_sequences": 0.0, "tool_calls": 0.0}
+        loop = asyncio.get_running_loop()
+        while len(mask) < self.response_length:
+            params = dict(sampling_params)
+            params["max_tokens"] = self.response_length - len(mask)
+            t0 = loop.time()
+            out = await self.server_manager.generate(request_id=request_id, prompt_ids=runtime_ids,
+                                                     sampling_params=params, image_data=images or None)
+            metrics["generate_sequences"] += loop.time() - t0
+            if out.num_preempted is not None:
+                metrics["num_preempted"] = metrics.get("num_preempted", 0) + out.num_preempted
+            merge, mask, logprobs = await self.ct_merge_assistant_token(
+                runtime_ids, out.token_ids, mask, logprobs,
+                assistant_logprobs=out.log_probs if want_logprobs else None)
+            runtime_ids = merge.token_ids
+            assistant_turns += 1
+            text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            t0 = loop.time()
+            try:
+                result = (await client.step([(sid, text)]))[0]
+                err = item_error(result)
+            except EnvServeError as e:
+                result, err = None, e
+            metrics["tool_calls"] += loop.time() - t0
+            if err is not None:
+                # A lost session or replica ends this rollout with what it has; the batch goes on.
+                env_error = f"{err.code.name}: {err.message}"
+                break
+            rewards.append(float(result.reward))
+            invalid += not result.action_valid
+            success = success or bool(result.success)
+            if result.done or result.truncated or (s.max_turns and assistant_turns >= s.max_turns):
+                break
+            step_images = _images(result)
+            self._assert_mm_supported(bool(step_images))
+            messages.append({"role": "assistant", "content": text})
+            previous = list(messages)
+            messages.append({"role": "user", "content": _user_content(observation_text(result), step_images)})
+            merge, new_mask, new_logprobs = await self.ct_merge_context_msg(previous, messages, runtime_ids, mask,
+                                                                             logprobs)
+            if len(new_mask) >= self.response_length:
+                break  # the observation does not fit: the response ends after the model's turn
+            runtime_ids, mask, logprobs = merge.token_ids, new_mask, new_logprobs
+            images.extend(step_images)
+            observation_turns += 1
+
+        response_ids = runtime_ids[len(runtime_ids) - len(mask):] if mask else []
+        episode_return = float(sum(rewards))
+        extra = {"turn_scores": rewards, "tool_rewards": [],
+                 "reward_extra_info": {"env_success": float(success), "env_return": episode_return,
+                                       "env_invalid_actions": float(invalid)},
+                 "envserve_session": sid}
+        if env_error:
+            extra["envserve_error"] = env_error
+        return AgentLoopOutput(
+            prompt_ids=runtime_ids[:len(runtime_ids) - len(mask)],
+            response_ids=response_ids[:self.response_length],
+            response_mask=mask[:self.response_length],
+            response_logprobs=logprobs[:self.response_length] if logprobs else None,
+            multi_modal_data={"images": images} if images else {},
+            reward_score=episode_return,
+            num_turns=1 + assistant_turns + observation_turns,
+            metrics=metrics,
+            extra_fields=extra,
+        )
+
+
+# -- the tool --------------------------------------------------------------------------------------
+@dataclass
+class _Instance:
+    session_id: str
+    client: AsyncEnvClient
+    episode_return: float = 0.0
+    done: bool = False
+    last: Any = None
+
+
+class EnvServeTool(BaseTool):
+    """One envserve session per tool instance (see the module's doc). config: type (verl's, "native"),
+    address, env_id, env_config, action_format, token, timeout, include_rules (create's response
+    starts with the env's rules), tools ("auto": `move(direction)` / `reveal(row, col)` from the
+    spec's action space, else "act": `act(action)`). Without a `tool_schema` in the YAML, the
+    schema is built from the env's spec."""
+
+    def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None = None):
+        config = dict(_plain(config) or {})
+        self.address = config.get("address") or os.environ.get("ENVSERVE_ADDRESS", "")
+        self.env_id = config.get("env_id", "")
+        if not self.address or not self.env_id:
+            raise ValueError("EnvServeTool's config needs address (or ENVSERVE_ADDRESS) and env_id")
+        self.env_config = dict(config.get("env_config") or {})
+        self.token = config.get("token")
+        self.timeout = config.get("timeout", 60.0)
+        self.include_rules = bool(config.get("include_rules", True))
+        with EnvClient(self.address, timeout=self.timeout, token=self.token) as c:
+            self.spec = c.get_spec(self.env_id)
+        self.action_format = config.get("action_format") or self.spec.default_action_format or "no_think"
+        plain_answer(self.action_format, ["x"])  # an unknown format fails here, not mid-rollout
+        settings = session_settings(self.spec, self.env_config)
+        self.separator = str(settings["action_separator"])
+        self._schema = _tool_schema(self.spec, config.get("tools", "auto"))
+        self._instances: dict[str, _Instance] = {}
+        super().__init__(config, tool_schema)
+
+    def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
+        return self._schema
+
+    def session_id(self, instance_id: str) -> str:
+        return self._instances[instance_id].session_id
+
+    async def create(self, instance_id: Optional[str] = None, **kwargs) -> tuple[str, ToolResponse]:
+        """Opens and resets a session. The seed (task_id, split) come from kwargs or from
+        kwargs["create_kwargs"] (how verl's ToolAgentLoop passes a row's tools_kwargs)."""
+        args = {**kwargs, **dict(_plain(kwargs.get("create_kwargs")) or {})}
+        instance_id = instance_id or uuid4().hex
+        client = _client(self.address, self.token, self.timeout)
+        sid, system_prompt = await client.open_with_prompt(self.env_id, 1, self.env_config, self.action_format)
+        inst = _Instance(sid[0], client)
+        self._instances[instance_id] = inst
+        seed = args.get("seed")
+        try:
+            first = (await client.reset([inst.session_id], [None if seed is None else int(seed)],
+                                        task_id=str(args.get("task_id") or ""), split=str(args.get("split") or "")))[0]
+            err = item_error(first)
+            if err is not None:
+                raise err
+        except BaseException:
+            await self.release(instance_id)
+            raise
+        inst.last = first
+        rules = self.spec.system_prompt if self.include_rules else ""
+        text = f"{rules}\nAct by calling the tools.\n\n{first.observation.text}" if rules else first.observation.text
+        return instance_id, ToolResponse(text=text, image=_images(first) or None)
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[ToolResponse, float, dict]:
+        """One Step with the call's action; returns (the text the model reads, the step's reward,
+        metrics: action_valid, done, success, episode_return)."""
+        inst = self._instances.get(instance_id)
+        if inst is None:
+            return ToolResponse(text="Error: no such environment instance."), 0.0, {}
+        if inst.done:
+            return ToolResponse(text="The episode is over; no more actions are accepted."), 0.0, {"done": True}
+        action, why = _action_of(parameters)
+        if why:
+            return ToolResponse(text=why), 0.0, {"action_valid": False}
+        if self.name == "move" and self.separator and self.separator in action:
+            return ToolResponse(text=f"Invalid action {action!r}: give exactly one action per call."), 0.0, \
+                {"action_valid": False}
+        try:
+            result = (await inst.client.step([(inst.session_id, plain_answer(self.action_format, [action],
+                                                                             self.separator))]))[0]
+            err = item_error(result)
+        except EnvServeError as e:
+            result, err = None, e
+        if err is not None:
+            inst.done = True
+            return ToolResponse(text=f"Error: the environment failed ({err.code.name}: {err.message}). "
+                                     "The episode is over."), 0.0, {"done": True, "error": err.code.name}
+        inst.last = result
+        inst.episode_return += result.reward
+        inst.done = bool(result.done or result.truncated)
+        text = observation_text(result) + f"\nReward: {result.reward:g}."
+        if result.done:
+            text += "\nThe episode is over: " + ("success." if result.success else "failure.")
+        elif result.truncated:
+            text += "\nThe episode is over: turn limit reached."
+        metrics = {"action_valid": bool(result.action_valid), "done": inst.done, "success": bool(result.success),
+                   "episode_return": inst.episode_return}
+        return ToolResponse(text=text, image=_images(result) or None), float(result.reward), metrics
+
+    async def calc_reward(self, instance_id: str, **kwargs) -> float:
+        """The episode's summed env reward so far."""
+        inst = self._instances.get(instance_id)
+        return inst.episode_return if inst is not None else 0.0
+
+    async def release(self, instance_id: str, **kwargs) -> None:
+        """Closes the session; never raises (the replica may be gone, its lease drops the session)."""
+        inst = self._instances.pop(instance_id, None)
+        if inst is None:
+            return
+        try:
+            await inst.client.close_sessions([inst.session_id])
+        except Exception as e:
+            logger.warning("closing envserve session %s failed: %s", inst.session_id, e)
+
+
+def _action_of(parameters: Mapping[str, Any]) -> tuple[str, str]:
+    """(the action text, why it is not one) from a tool call's arguments."""
+    parameters = dict(parameters or {})
+    if "row" in parameters or "col" in parameters:
+        try:
+            return f"({int(parameters['row'])}, {int(parameters['col'])})", ""
+        except (KeyError, TypeError, ValueError):
+            return "", f"Invalid action: row and col must be whole numbers, got {parameters!r}."
+    value = parameters.get("direction", parameters.get("action"))
+    action = "" if value is None else str(value).strip()
+    return (action, "") if action else ("", "Invalid action: empty.")
+
+
+def _tool_schema(spec, mode: str) -> OpenAIFunctionToolSchema:
+    space = " ".join(spec.action_space.split())
+    if mode not in ("auto", "act"):
+        raise ValueError(f"tools must be 'auto' or 'act', got {mode!r}")
+    m = _CHOICES.match(space) if mode == "auto" else None
+    if m:
+        choices = [c.strip() for c in m.group("choices").split(",") if c.strip()]
+        fn = dict(name="move", description="Move one step in a direction; returns what happened, the new "
+                                           "observation and the reward.",
+                  parameters=dict(type="object", required=["direction"], properties=dict(
+                      direction=dict(type="string", enum=choices, description="Where to move."))))
+    elif mode == "auto" and _CELL.match(space):
+        fn = dict(name="reveal", description="Reveal one hidden cell of the board; returns what happened, the "
+                                             "new board and the reward.",
+                  parameters=dict(type="object", required=["row", "col"], properties=dict(
+                      row=dict(type="integer", description="Row of the cell, counted from 0 at the top."),
+                      col=dict(type="integer", description="Column of the cell, counted from 0 at the left."))))
+    else:
+        fn = dict(name="act", description="Take an action in the environment; returns what happened, the new "
+                                          "observation and the reward.",
+                  parameters=dict(type="object", required=["action"], properties=dict(
+                      action=dict(type="string", description=f"The action: {space}."))))
+    return OpenAIFunctionToolSchema.model_validate({"type": "function", "function": fn})
