@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -26,8 +27,8 @@ if os.environ.get("ENVSERVE_TEST_VERL") != "1":
 pytest.importorskip("verl")
 ray = pytest.importorskip("ray")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
 
 from envserve.client import EnvClient  # noqa: E402
 from envserve.client.experts import FrozenLakeExpert, SokobanExpert, plain_answer  # noqa: E402
@@ -36,9 +37,8 @@ from envserve.integrations.verl import AGENT_NAME, EnvServeAgentLoop, EnvServeTo
 from envserve.v1 import envserve_pb2 as pb  # noqa: E402
 from envserve.v1 import envserve_pb2_grpc as pb_grpc  # noqa: E402
 
-from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry  # noqa: E402
-from verl.tools.tool_registry import initialize_tools_from_config  # noqa: E402
-from verl.utils.dataset.rl_dataset import RLHFDataset  # noqa: E402
+from verl.experimental.agent_loop.agent_loop import _agent_loop_registry  # noqa: E402
+from verl.protocol import DataProto  # noqa: E402
 from verl.workers.rollout.llm_server import LLMServerClient  # noqa: E402
 from verl.workers.rollout.replica import TokenOutput  # noqa: E402
 from verl.workers.rollout.router import GlobalRequestLoadBalancer  # noqa: E402
@@ -60,7 +60,8 @@ class HFReplica:
     log probability. `grammar` restricts sampling as a constrained decoder would: the i-th token is
     drawn from grammar[i] (the last set for the rest). Every call is recorded for the tests."""
 
-    def __init__(self, path: str, response_length: int, grammar: list[list[int]] | None = None, seed: int = 0):
+    def __init__(self, path: str, response_length: int, grammar: list[list[int]] | None = None, seed: int = 0,
+                 fail_after: int | None = None):
         from transformers import AutoModelForCausalLM
         torch.set_num_threads(1)
         self.model = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -69,10 +70,13 @@ class HFReplica:
         self.grammar = [torch.tensor(sorted(set(ids))) for ids in grammar or []]
         self.generator = torch.Generator().manual_seed(seed)
         self.calls: list[dict] = []
+        self.fail_after = fail_after
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[int], sampling_params: dict, request_id: str, image_data=None,
                  video_data=None, audio_data=None, mm_processor_kwargs=None, priority: int = 0, **kwargs) -> TokenOutput:
+        if self.fail_after is not None and len(self.calls) >= self.fail_after:
+            raise RuntimeError("replica failed")
         max_tokens = max(1, int(sampling_params.get("max_tokens") or self.response_length))
         temperature = float(sampling_params.get("temperature", 1.0))
         stop = {self.eos, *(sampling_params.get("stop_token_ids") or [])}
@@ -123,12 +127,6 @@ def model_dir(grid_server, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="module")
 def ray_cluster():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
@@ -141,53 +139,138 @@ def ray_cluster():
 RESPONSE_LENGTH = 160
 
 
-def trainer_config(**rollout):
-    """The parts of verl's trainer config an agent loop and LLMServerClient read."""
-    r = dict(prompt_length=1024, response_length=RESPONSE_LENGTH, full_determinism=False, name="vllm")
-    r.update(rollout)
-    return OmegaConf.create({"actor_rollout_ref": {"rollout": r}, "data": {"apply_chat_template_kwargs": {}}})
+def write_configs(directory, address: str) -> tuple[str, str]:
+    """The two YAML files a verl user writes: the agent loop entry and the tool entry."""
+    loops, tools = os.path.join(directory, "agent_loops.yaml"), os.path.join(directory, "tools.yaml")
+    with open(loops, "w") as f:
+        f.write(f"""- name: envserve_agent
+  _target_: envserve.integrations.verl.EnvServeAgentLoop
+  address: "{address}"
+  env_id: frozenlake
+  action_format: no_think
+  max_turns: 6
+""")
+    with open(tools, "w") as f:
+        f.write(f"""tools:
+  - class_name: envserve.integrations.verl.EnvServeTool
+    config:
+      type: native
+      address: "{address}"
+      env_id: frozenlake
+""")
+    return loops, tools
+
+
+def trainer_config(model_dir: str, loops: str, tools: str, response_length: int = RESPONSE_LENGTH):
+    """verl's own ppo_trainer config (hydra), with the lines that point it at envserve."""
+    from hydra import compose, initialize_config_dir
+
+    import verl
+    with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
+                               version_base=None):
+        return compose("ppo_trainer", overrides=[
+            f"actor_rollout_ref.model.path={model_dir}",
+            "actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.rollout.prompt_length=1024",
+            f"actor_rollout_ref.rollout.response_length={response_length}",
+            f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}",
+            "actor_rollout_ref.rollout.agent.default_agent_loop=envserve_agent",
+            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
+        ])
 
 
 class Rollouts:
-    """verl's LLMServerClient over its GlobalRequestLoadBalancer and one HFReplica, and agent loops
-    made the way verl's AgentLoopWorker makes them: hydra-instantiated from the registry entry."""
+    """verl's AgentLoopWorker (made in this process; in training it is a Ray actor) with verl's
+    LLMServerClient over its GlobalRequestLoadBalancer and one HFReplica."""
 
-    def __init__(self, model_dir: str, tokenizer, grammar=None, **rollout):
-        self.config = trainer_config(**rollout)
-        self.replica = ray.remote(HFReplica).remote(model_dir, self.config.actor_rollout_ref.rollout.response_length,
-                                                    grammar)
-        balancer = ray.remote(GlobalRequestLoadBalancer).remote({"replica-0": self.replica})
-        self.client = LLMServerClient(self.config, load_balancer_handle=balancer)
-        self.tokenizer = tokenizer
+    def __init__(self, model_dir: str, address: str, directory, grammar=None, response_length: int = RESPONSE_LENGTH,
+                 fail_after: int | None = None):
+        from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+        self.config = trainer_config(model_dir, *write_configs(directory, address), response_length=response_length)
+        # num_cpus=0: scheduled whatever else the small test cluster holds.
+        self.replica = ray.remote(num_cpus=0)(HFReplica).remote(model_dir, response_length, grammar, fail_after=fail_after)
+        self.balancer = ray.remote(num_cpus=0)(GlobalRequestLoadBalancer).remote({"replica-0": self.replica})
+        balancer = self.balancer
+        self.worker = AgentLoopWorker(self.config, LLMServerClient(self.config, load_balancer_handle=balancer))
+        self.tokenizer = self.worker.tokenizer
 
-    def loop(self, entry: dict) -> EnvServeAgentLoop:
-        import hydra
-        return hydra.utils.instantiate(
-            config=OmegaConf.create(entry), trainer_config=DictConfigWrap(self.config), server_manager=self.client,
-            tokenizer=self.tokenizer, processor=None, hf_model_type="qwen2", dataset_cls=RLHFDataset,
-            data_config=DictConfigWrap(self.config.data), tools=ToolListWrap([]))
-
-    def run(self, entry: dict, rows: list[dict], temperature: float = 1.0):
-        """Runs one agent loop per row concurrently, as AgentLoopWorker.generate_sequences does."""
-        params = dict(temperature=temperature, top_p=1.0, top_k=-1, repetition_penalty=1.0, logprobs=True)
-
-        async def main():
-            return await asyncio.gather(*(self.loop(entry).run(dict(params), raw_prompt=[], **row) for row in rows))
-        return asyncio.run(main())
+    def run(self, rows: list[dict]) -> DataProto:
+        """One batch through AgentLoopWorker.generate_sequences: the rows' columns are what a verl
+        dataset would give (raw_prompt, plus a seed and optionally env_id)."""
+        columns = {"raw_prompt": np.array([[] for _ in rows] + [None], dtype=object)[:-1],
+                   "index": np.arange(len(rows))}
+        for key in sorted({k for row in rows for k in row}):
+            columns[key] = np.array([row.get(key) for row in rows], dtype=object)
+        return asyncio.run(self.worker.generate_sequences(DataProto(non_tensor_batch=columns, meta_info={})))
 
     def history(self) -> list[dict]:
         return ray.get(self.replica.history.remote())
 
+    def close(self) -> None:
+        ray.kill(self.replica)
+        ray.kill(self.balancer)
 
-def one_answer(tokenizer) -> list[list[int]]:
+
+@pytest.fixture
+def rollouts(grid_server, model_dir, ray_cluster, tmp_path):
+    """make(**kw) -> Rollouts on the grid server; their Ray actors are killed afterwards."""
+    made = []
+
+    def make(**kw) -> Rollouts:
+        made.append(Rollouts(model_dir, grid_server.address, tmp_path, **kw))
+        return made[-1]
+    yield make
+    for r in made:
+        r.close()
+
+
+def unpad(data: DataProto) -> list[SimpleNamespace]:
+    """Each row of generate_sequences' padded batch as the agent loop returned it."""
+    plen = data.batch["prompts"].shape[1]
+    rows = []
+    for i in range(len(data)):
+        att = data.batch["attention_mask"][i]
+        n = int(att[plen:].sum())
+        assert att[plen:plen + n].all() and not att[plen + n:].any()   # right-padded responses
+        rm = data.batch["rm_scores"][i]
+        assert not rm[:n - 1].any() and not rm[n:].any()               # the score sits on the last token
+        rows.append(SimpleNamespace(
+            prompt_ids=data.batch["prompts"][i][att[:plen].bool()].tolist(),
+            response_ids=data.batch["responses"][i, :n].tolist(),
+            response_mask=data.batch["response_mask"][i, :n].tolist(),
+            response_logprobs=data.batch["rollout_log_probs"][i, :n].tolist(),
+            reward_score=float(rm[n - 1]),
+            num_turns=int(data.non_tensor_batch["__num_turns__"][i]),
+            extra_fields={k: data.non_tensor_batch[k][i] for k in
+                          ("turn_scores", "envserve_session", "env_success", "env_return", "env_invalid_actions")},
+        ))
+        assert not data.batch["response_mask"][i, n:].any()
+    return rows
+
+
+def _tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _answers(tokenizer) -> list[int]:
+    return [tokenizer.convert_tokens_to_ids(f"<answer>{d}</answer>") for d in DIRECTIONS]
+
+
+def one_answer(model_dir: str) -> list[list[int]]:
     """A grammar for HFReplica: one whole answer token (`<answer>Down</answer>`), then end of turn."""
-    return [[tokenizer.convert_tokens_to_ids(f"<answer>{d}</answer>") for d in DIRECTIONS], [tokenizer.eos_token_id]]
+    tokenizer = _tokenizer(model_dir)
+    return [_answers(tokenizer), [tokenizer.eos_token_id]]
 
 
-def entry(address: str, env_id: str, **kw) -> dict:
-    """An agent_loop_config_path entry, as a user writes it."""
-    return {"name": AGENT_NAME, "_target_": "envserve.integrations.verl.EnvServeAgentLoop",
-            "address": address, "env_id": env_id, "action_format": "no_think", **kw}
+def garbled(model_dir: str, length: int | None = 6) -> list[list[int]]:
+    """A grammar for HFReplica: `length` tokens of anything but an answer or a chat token, then end
+    of turn (with length None: never an end of turn)."""
+    tokenizer = _tokenizer(model_dir)
+    banned = set(_answers(tokenizer)) | set(tokenizer.all_special_ids)
+    banned |= {tokenizer.convert_tokens_to_ids(t) for t in ("<answer>", "</answer>")}
+    words = [i for i in range(len(tokenizer)) if i not in banned]
+    return [words] if length is None else [words] * length + [[tokenizer.eos_token_id]]
 
 
 def segments(mask: list[int]) -> list[tuple[int, int, int]]:
@@ -198,6 +281,12 @@ def segments(mask: list[int]) -> list[tuple[int, int, int]]:
             runs.append((mask[start], start, i))
             start = i
     return runs
+
+
+def next_turn_length(tokenizer, result) -> int:
+    """Tokens of the observation turn that would follow `result` (after an answer that ended in eos)."""
+    text = f"\n<|im_start|>user\n{observation_text(result)}<|im_end|>\n<|im_start|>assistant\n"
+    return len(tokenizer.encode(text, add_special_tokens=False))
 
 
 def check_episode(out, calls, tokenizer, address, env_id, seed, config=None):
@@ -245,32 +334,35 @@ def check_episode(out, calls, tokenizer, address, env_id, seed, config=None):
 
 
 # -- the agent loop --------------------------------------------------------------------------------
-def test_agent_loop_plays_frozenlake_through_verls_server_client(grid_server, model_dir, tokenizer, ray_cluster):
-    """Constrained to whole answers, the random model plays real moves: each episode's return,
-    masks and turns line up with the tokens and with a replay in a fresh session."""
-    assert _agent_loop_registry[AGENT_NAME] == {"_target_": "envserve.integrations.verl.EnvServeAgentLoop"}
-    rollouts = Rollouts(model_dir, tokenizer, grammar=one_answer(tokenizer))
-    seeds = [0, 1, 2, 3]
-    outs = rollouts.run(entry(grid_server.address, "frozenlake", max_turns=6), [{"seed": s} for s in seeds])
+def test_agent_loop_plays_frozenlake_and_sokoban_through_verls_worker(grid_server, model_dir, rollouts):
+    """Constrained to whole answers, the random model plays real moves: verl's worker runs the loop
+    named in the YAML for each row (the row's env_id overriding the YAML's), and each episode's
+    return, masks and turns line up with the replica's tokens and with a replay in a fresh session."""
+    rollouts = rollouts(grammar=one_answer(model_dir))
+    assert _agent_loop_registry[AGENT_NAME]["_target_"] == "envserve.integrations.verl.EnvServeAgentLoop"
+    rows = [{"seed": s} for s in range(4)] + [{"seed": s, "env_id": "sokoban"} for s in (1, 2)]
+    outs = unpad(rollouts.run(rows))
     pool = rollouts.history()
+    tok = rollouts.tokenizer
     rewards, finished = [], 0
-    for out, seed in zip(outs, seeds):
-        calls_of = calls_for(out, pool)
-        results = check_episode(out, calls_of, tokenizer, grid_server.address, "frozenlake", seed)
+    for out, row in zip(outs, rows):
+        env_id = row.get("env_id", "frozenlake")
+        results = check_episode(out, calls_for(out, pool), tok, grid_server.address, env_id, row["seed"])
         assert all(r.action_valid for r in results)           # whole answers only: every move is valid
         assert 1 <= len(results) <= 6
         if results[-1].done:
             finished += 1
-            assert out.extra_fields["reward_extra_info"]["env_success"] == float(results[-1].success)
         else:
-            assert len(results) == 6                           # max_turns ended it
+            # max_turns (the YAML's) ended it, or the next observation turn would not fit the budget.
+            assert len(results) == 6 or len(out.response_ids) + next_turn_length(tok, results[-1]) >= RESPONSE_LENGTH
+        assert out.extra_fields["env_success"] == float(results[-1].success)
+        assert out.extra_fields["env_invalid_actions"] == 0
         rewards.append(out.reward_score)
-        assert out.multi_modal_data == {}
-        assert out.metrics.generate_sequences > 0
+    assert not pool                                            # every replica call belongs to a rollout
     assert finished >= 1 and len(set(rewards)) > 1
     # Every episode's session was closed on the server.
-    live = live_session_ids(grid_server.address, "frozenlake")
-    assert not {o.extra_fields["envserve_session"] for o in outs} & live
+    for env_id in ("frozenlake", "sokoban"):
+        assert not {o.extra_fields["envserve_session"] for o in outs} & live_session_ids(grid_server.address, env_id)
 
 
 def calls_for(out, pool: list[dict]) -> list[dict]:
@@ -289,3 +381,101 @@ def calls_for(out, pool: list[dict]) -> list[dict]:
     for c in picked:
         pool.remove(c)
     return picked
+
+
+def test_garbled_answers_are_invalid_actions_with_the_envs_feedback(grid_server, model_dir, rollouts):
+    """Text without an answer is an invalid action: the env's penalty is the reward, and its feedback
+    opens the next observation turn (mask 0), which the model reads."""
+    rollouts = rollouts(grammar=garbled(model_dir))
+    rows = [{"seed": 4}, {"seed": 5, "env_id": "sokoban"}]
+    outs = unpad(rollouts.run(rows))
+    pool = rollouts.history()
+    for out, row in zip(outs, rows):
+        results = check_episode(out, calls_for(out, pool), rollouts.tokenizer, grid_server.address,
+                                row.get("env_id", "frozenlake"), row["seed"])
+        assert results and not any(r.action_valid for r in results)
+        assert all(r.feedback for r in results)
+        assert out.reward_score < 0 and out.extra_fields["env_invalid_actions"] == len(results)
+        tok = rollouts.tokenizer
+        observed = tok.decode([t for t, m in zip(out.response_ids, out.response_mask) if m == 0])
+        assert results[0].feedback in observed
+
+
+def test_the_response_budget_bounds_each_generation(grid_server, model_dir, rollouts):
+    """A model that never ends its turn is cut at the response budget (max_tokens = what is left):
+    one turn, all tokens generated (mask 1), one step, its reward the score."""
+    rollouts = rollouts(grammar=garbled(model_dir, None), response_length=48)
+    out, = unpad(rollouts.run([{"seed": 0}]))
+    call, = rollouts.history()
+    assert call["max_tokens"] == 48 and len(call["token_ids"]) == 48
+    assert out.response_ids == call["token_ids"] and out.response_mask == [1] * 48
+    assert out.num_turns == 2 and len(out.extra_fields["turn_scores"]) == 1
+    assert out.reward_score == pytest.approx(out.extra_fields["turn_scores"][0]) and out.reward_score < 0
+
+
+def test_sessions_are_closed_when_a_rollout_fails(grid_server, model_dir, rollouts):
+    """A replica that fails mid-episode, and an env that renders images for a text-only model, fail
+    the batch loudly; their sessions are closed all the same."""
+    before = live_session_ids(grid_server.address, "frozenlake")
+    failing = rollouts(grammar=one_answer(model_dir), fail_after=1)
+    with pytest.raises(Exception, match="replica failed"):
+        failing.run([{"seed": 0}])
+    assert len(failing.history()) == 1
+    with pytest.raises(ValueError, match="Multimodal inputs require"):
+        rollouts(grammar=one_answer(model_dir)).run([{"seed": 0, "env_config": {"render_image": True}}])
+    assert live_session_ids(grid_server.address, "frozenlake") == before
+
+
+# -- the tool --------------------------------------------------------------------------------------
+def expert_plays(tool, instance_id: str, expert, client: EnvClient) -> list[tuple]:
+    """The env's expert plays the tool's episode to its end: (response, reward, metrics) per call."""
+    calls = []
+    while not (calls and calls[-1][2].get("done")):
+        truth = Truth.from_response(client.get_state(tool.session_id(instance_id), -1))
+        action = expert.act(truth, 1).actions[0]
+        calls.append(asyncio.run(tool.execute(instance_id, {"direction": action})))
+        assert len(calls) < 50
+    return calls
+
+
+def test_tool_lifecycle_with_an_expert_playing_to_success(grid_server, model_dir, rollouts):
+    """verl loads EnvServeTool from the tool YAML; create/execute/calc_reward/release over real
+    sessions, the env's expert choosing each call's argument."""
+    tool, = rollouts(grammar=one_answer(model_dir)).worker.tools    # loaded by verl from tools.yaml
+    assert isinstance(tool, EnvServeTool) and tool.name == "move"
+    schema = tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True)
+    assert schema["function"]["parameters"]["properties"]["direction"]["enum"] == DIRECTIONS
+    address = grid_server.address
+    with EnvClient(address) as c:
+        for env_id, expert_cls, seed in (("frozenlake", FrozenLakeExpert, 3), ("sokoban", SokobanExpert, 2)):
+            t = tool if env_id == "frozenlake" else EnvServeTool({"type": "native", "address": address, "env_id": env_id})
+            iid, first = asyncio.run(t.create(create_kwargs={"seed": seed}))
+            sid = t.session_id(iid)
+            assert sid in live_session_ids(address, env_id)
+            assert first.text.startswith(c.get_spec(env_id).system_prompt)
+            assert first.text.endswith(c.get_state(sid, -1).observation_text)
+            # A wrong argument is the env's invalid action, with its feedback and penalty.
+            bad, penalty, metrics = asyncio.run(t.execute(iid, {"direction": "Sideways"}))
+            assert metrics["action_valid"] is False and penalty < 0 and "Invalid" in bad.text
+            calls = expert_plays(t, iid, expert_cls(session_settings(c.get_spec(env_id))), c)
+            last = calls[-1][2]
+            assert last["success"] is True and all(m["action_valid"] for _, _, m in calls)
+            assert "success" in calls[-1][0].text
+            total = penalty + sum(r for _, r, _ in calls)
+            assert asyncio.run(t.calc_reward(iid)) == pytest.approx(total) == pytest.approx(last["episode_return"])
+            assert total > 0
+            over, reward, _ = asyncio.run(t.execute(iid, {"direction": "Up"}))
+            assert "episode is over" in over.text and reward == 0.0
+            asyncio.run(t.release(iid))
+            assert sid not in live_session_ids(address, env_id)
+        # The same seed gives the same start; other envs get their own tool: reveal(row, col).
+        a, b = (asyncio.run(tool.create(create_kwargs={"seed": 7})) for _ in range(2))
+        assert a[1].text == b[1].text and a[0] != b[0]
+        for iid, _ in (a, b):
+            asyncio.run(tool.release(iid))
+        mines = EnvServeTool({"type": "native", "address": address, "env_id": "minesweeper"})
+        assert mines.name == "reveal"
+        iid, _ = asyncio.run(mines.create(seed=1))
+        text, _, metrics = asyncio.run(mines.execute(iid, {"row": 2, "col": 3}))
+        assert metrics["action_valid"] and "Revealed (2, 3)" in text.text
+        asyncio.run(mines.release(iid))

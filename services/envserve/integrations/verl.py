@@ -264,7 +264,6 @@ class EnvServeAgentLoop(AgentLoopBase):
 @dataclass
 class _Instance:
     session_id: str
-    client: AsyncEnvClient
     episode_return: float = 0.0
     done: bool = False
     last: Any = None
@@ -300,6 +299,10 @@ class EnvServeTool(BaseTool):
     def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
         return self._schema
 
+    def _client(self) -> AsyncEnvClient:
+        # The channel of the running event loop: the session lives on the server, any channel reaches it.
+        return _client(self.address, self.token, self.timeout)
+
     def session_id(self, instance_id: str) -> str:
         return self._instances[instance_id].session_id
 
@@ -308,9 +311,9 @@ class EnvServeTool(BaseTool):
         kwargs["create_kwargs"] (how verl's ToolAgentLoop passes a row's tools_kwargs)."""
         args = {**kwargs, **dict(_plain(kwargs.get("create_kwargs")) or {})}
         instance_id = instance_id or uuid4().hex
-        client = _client(self.address, self.token, self.timeout)
-        sid, system_prompt = await client.open_with_prompt(self.env_id, 1, self.env_config, self.action_format)
-        inst = _Instance(sid[0], client)
+        client = self._client()
+        sid = (await client.open(self.env_id, 1, self.env_config, self.action_format))[0]
+        inst = _Instance(sid)
         self._instances[instance_id] = inst
         seed = args.get("seed")
         try:
@@ -325,7 +328,7 @@ class EnvServeTool(BaseTool):
         inst.last = first
         rules = self.spec.system_prompt if self.include_rules else ""
         text = f"{rules}\nAct by calling the tools.\n\n{first.observation.text}" if rules else first.observation.text
-        return instance_id, ToolResponse(text=text, image=_images(first) or None)
+        return instance_id, _response(text, first)
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[ToolResponse, float, dict]:
         """One Step with the call's action; returns (the text the model reads, the step's reward,
@@ -342,8 +345,8 @@ class EnvServeTool(BaseTool):
             return ToolResponse(text=f"Invalid action {action!r}: give exactly one action per call."), 0.0, \
                 {"action_valid": False}
         try:
-            result = (await inst.client.step([(inst.session_id, plain_answer(self.action_format, [action],
-                                                                             self.separator))]))[0]
+            answer = plain_answer(self.action_format, [action], self.separator)
+            result = (await self._client().step([(inst.session_id, answer)]))[0]
             err = item_error(result)
         except EnvServeError as e:
             result, err = None, e
@@ -361,7 +364,7 @@ class EnvServeTool(BaseTool):
             text += "\nThe episode is over: turn limit reached."
         metrics = {"action_valid": bool(result.action_valid), "done": inst.done, "success": bool(result.success),
                    "episode_return": inst.episode_return}
-        return ToolResponse(text=text, image=_images(result) or None), float(result.reward), metrics
+        return _response(text, result), float(result.reward), metrics
 
     async def calc_reward(self, instance_id: str, **kwargs) -> float:
         """The episode's summed env reward so far."""
@@ -374,9 +377,14 @@ class EnvServeTool(BaseTool):
         if inst is None:
             return
         try:
-            await inst.client.close_sessions([inst.session_id])
+            await self._client().close_sessions([inst.session_id])
         except Exception as e:
             logger.warning("closing envserve session %s failed: %s", inst.session_id, e)
+
+
+def _response(text: str, result) -> ToolResponse:
+    images = _images(result)
+    return ToolResponse(text=text, image=images) if images else ToolResponse(text=text)
 
 
 def _action_of(parameters: Mapping[str, Any]) -> tuple[str, str]:
