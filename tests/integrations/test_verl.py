@@ -426,6 +426,30 @@ def test_sessions_are_closed_when_a_rollout_fails(grid_server, model_dir, rollou
     assert live_session_ids(grid_server.address, "frozenlake") == before
 
 
+class DropsSessions:
+    """verl's LLMServerClient, and after its first answer every live session of the env is closed on
+    the server, as an expired lease or a lost worker would."""
+
+    def __init__(self, inner, address: str, env_id: str):
+        self.inner, self.address, self.env_id = inner, address, env_id
+
+    async def generate(self, **kwargs):
+        out = await self.inner.generate(**kwargs)
+        with EnvClient(self.address) as c:
+            c.close_sessions(sorted(live_session_ids(self.address, self.env_id)))
+        return out
+
+
+def test_a_lost_session_ends_its_rollout_and_the_batch_goes_on(grid_server, model_dir, rollouts):
+    r = rollouts(grammar=one_answer(model_dir))
+    r.worker.llm_client = DropsSessions(r.worker.llm_client, grid_server.address, "minesweeper")
+    data = r.run([{"seed": 0, "env_id": "minesweeper"}])
+    out, = unpad(data)
+    assert data.non_tensor_batch["envserve_error"][0].startswith("NOT_FOUND")
+    assert out.num_turns == 2 and out.response_mask == [1] * len(out.response_ids)
+    assert out.reward_score == 0.0 and out.extra_fields["turn_scores"] == []
+
+
 # -- the tool --------------------------------------------------------------------------------------
 def expert_plays(tool, instance_id: str, expert, client: EnvClient) -> list[tuple]:
     """The env's expert plays the tool's episode to its end: (response, reward, metrics) per call."""
