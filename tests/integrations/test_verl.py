@@ -14,6 +14,7 @@ ENVSERVE_TEST_VERL=1 .verl-venv/bin/python -m pytest -q tests/integrations/test_
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 from types import SimpleNamespace
@@ -57,18 +58,22 @@ class HFReplica:
     calls on vLLM's async server: token ids in, TokenOutput out. `max_tokens` (else the configured
     response length) bounds the new tokens; generation stops after eos or a stop_token_id, which is
     included in the output, as vLLM does; temperature 0 is greedy; `logprobs` asks for each token's
-    log probability. `grammar` restricts sampling as a constrained decoder would: the i-th token is
+    log probability; sampling is seeded by the prompt. `grammar` restricts sampling as a constrained decoder would: the i-th token is
     drawn from grammar[i] (the last set for the rest). Every call is recorded for the tests."""
 
-    def __init__(self, path: str, response_length: int, grammar: list[list[int]] | None = None, seed: int = 0,
-                 fail_after: int | None = None):
+    def __init__(self, path: str):
         from transformers import AutoModelForCausalLM
         torch.set_num_threads(1)
         self.model = AutoModelForCausalLM.from_pretrained(path).eval()
         self.eos = self.model.generation_config.eos_token_id
+        self.configure(RESPONSE_LENGTH)
+
+    def configure(self, response_length: int, grammar: list[list[int]] | None = None, fail_after: int | None = None,
+                  seed: int = 0) -> None:
+        """A test's settings (one replica serves the module's tests); fail_after: calls before it fails."""
         self.response_length = response_length
         self.grammar = [torch.tensor(sorted(set(ids))) for ids in grammar or []]
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
         self.calls: list[dict] = []
         self.fail_after = fail_after
 
@@ -80,6 +85,8 @@ class HFReplica:
         max_tokens = max(1, int(sampling_params.get("max_tokens") or self.response_length))
         temperature = float(sampling_params.get("temperature", 1.0))
         stop = {self.eos, *(sampling_params.get("stop_token_ids") or [])}
+        # Sampling is a function of the prompt alone, whatever order the concurrent rollouts' calls come in.
+        generator = torch.Generator().manual_seed(hash((self.seed, *prompt_ids)) % 2**63)
         out = self.model(torch.tensor([list(prompt_ids)]), use_cache=True)
         tokens, logprobs, reason = [], [], "length"
         for _ in range(max_tokens):
@@ -91,7 +98,7 @@ class HFReplica:
             if temperature > 0:
                 logits = logits / temperature
             logp = torch.log_softmax(logits, -1)
-            tok = int(logp.argmax()) if temperature <= 0 else int(torch.multinomial(logp.exp(), 1, generator=self.generator))
+            tok = int(logp.argmax()) if temperature <= 0 else int(torch.multinomial(logp.exp(), 1, generator=generator))
             tokens.append(tok)
             logprobs.append(float(logp[tok]))
             if tok in stop:
@@ -112,13 +119,15 @@ class HFReplica:
 @pytest.fixture(scope="module")
 def model_dir(grid_server, tmp_path_factory):
     """The trainer's tiny random-weight Qwen2 model and its grid tokenizer, with one added token per
-    complete no_think answer (`<answer>Left</answer>`...), saved as a Hugging Face checkpoint."""
+    complete no_think answer (`<answer>Left</answer>`...) and per complete Hermes `move` call, saved
+    as a Hugging Face checkpoint."""
     from tokenizers import AddedToken
 
     from envserve_trainer.model import build_small_model, build_tokenizer, corpus_from_envs
     with EnvClient(grid_server.address) as c:
         tok = build_tokenizer(corpus_from_envs(c, ["frozenlake", "sokoban"], seeds=range(2), steps=3))
-    tok.add_tokens([AddedToken(f"<answer>{d}</answer>", special=False, normalized=False) for d in DIRECTIONS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for d in DIRECTIONS for t in (f"<answer>{d}</answer>", tool_call(d))])
     model = build_small_model(tok, "tiny", seed=0)
     path = tmp_path_factory.mktemp("tiny-qwen2")
     model.save_pretrained(path)
@@ -139,7 +148,7 @@ def ray_cluster():
 RESPONSE_LENGTH = 160
 
 
-def write_configs(directory, address: str) -> tuple[str, str]:
+def write_configs(directory, address: str, tool_options: str = "") -> tuple[str, str]:
     """The two YAML files a verl user writes: the agent loop entry and the tool entry."""
     loops, tools = os.path.join(directory, "agent_loops.yaml"), os.path.join(directory, "tools.yaml")
     with open(loops, "w") as f:
@@ -157,11 +166,12 @@ def write_configs(directory, address: str) -> tuple[str, str]:
       type: native
       address: "{address}"
       env_id: frozenlake
-""")
+{tool_options}""")
     return loops, tools
 
 
-def trainer_config(model_dir: str, loops: str, tools: str, response_length: int = RESPONSE_LENGTH):
+def trainer_config(model_dir: str, loops: str, tools: str, response_length: int = RESPONSE_LENGTH,
+                   overrides: tuple = ()):
     """verl's own ppo_trainer config (hydra), with the lines that point it at envserve."""
     from hydra import compose, initialize_config_dir
 
@@ -176,6 +186,7 @@ def trainer_config(model_dir: str, loops: str, tools: str, response_length: int 
             f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}",
             "actor_rollout_ref.rollout.agent.default_agent_loop=envserve_agent",
             f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
+            *overrides,
         ])
 
 
@@ -183,45 +194,46 @@ class Rollouts:
     """verl's AgentLoopWorker (made in this process; in training it is a Ray actor) with verl's
     LLMServerClient over its GlobalRequestLoadBalancer and one HFReplica."""
 
-    def __init__(self, model_dir: str, address: str, directory, grammar=None, response_length: int = RESPONSE_LENGTH,
-                 fail_after: int | None = None):
+    def __init__(self, model_dir: str, address: str, directory, serving, grammar=None,
+                 response_length: int = RESPONSE_LENGTH, fail_after: int | None = None, tool_options: str = "",
+                 overrides: tuple = ()):
         from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
-        self.config = trainer_config(model_dir, *write_configs(directory, address), response_length=response_length)
-        # num_cpus=0: scheduled whatever else the small test cluster holds.
-        self.replica = ray.remote(num_cpus=0)(HFReplica).remote(model_dir, response_length, grammar, fail_after=fail_after)
-        self.balancer = ray.remote(num_cpus=0)(GlobalRequestLoadBalancer).remote({"replica-0": self.replica})
-        balancer = self.balancer
+        self.config = trainer_config(model_dir, *write_configs(directory, address, tool_options),
+                                     response_length=response_length, overrides=overrides)
+        self.replica, balancer = serving
+        ray.get(self.replica.configure.remote(response_length, grammar, fail_after))
         self.worker = AgentLoopWorker(self.config, LLMServerClient(self.config, load_balancer_handle=balancer))
         self.tokenizer = self.worker.tokenizer
 
     def run(self, rows: list[dict]) -> DataProto:
         """One batch through AgentLoopWorker.generate_sequences: the rows' columns are what a verl
         dataset would give (raw_prompt, plus a seed and optionally env_id)."""
-        columns = {"raw_prompt": np.array([[] for _ in rows] + [None], dtype=object)[:-1],
-                   "index": np.arange(len(rows))}
-        for key in sorted({k for row in rows for k in row}):
-            columns[key] = np.array([row.get(key) for row in rows], dtype=object)
+        columns = {"index": np.arange(len(rows))}
+        for key in sorted({"raw_prompt", *(k for row in rows for k in row)}):
+            columns[key] = np.empty(len(rows), dtype=object)
+            for i, row in enumerate(rows):
+                columns[key][i] = row.get(key, [] if key == "raw_prompt" else None)
         return asyncio.run(self.worker.generate_sequences(DataProto(non_tensor_batch=columns, meta_info={})))
 
     def history(self) -> list[dict]:
         return ray.get(self.replica.history.remote())
 
-    def close(self) -> None:
-        ray.kill(self.replica)
-        ray.kill(self.balancer)
+
+@pytest.fixture(scope="module")
+def serving(model_dir, ray_cluster):
+    """One HFReplica behind verl's GlobalRequestLoadBalancer, both Ray actors, for the module."""
+    # num_cpus=0: scheduled whatever else the small test cluster holds.
+    replica = ray.remote(num_cpus=0)(HFReplica).remote(model_dir)
+    balancer = ray.remote(num_cpus=0)(GlobalRequestLoadBalancer).remote({"replica-0": replica})
+    yield replica, balancer
+    ray.kill(balancer)
+    ray.kill(replica)
 
 
 @pytest.fixture
-def rollouts(grid_server, model_dir, ray_cluster, tmp_path):
-    """make(**kw) -> Rollouts on the grid server; their Ray actors are killed afterwards."""
-    made = []
-
-    def make(**kw) -> Rollouts:
-        made.append(Rollouts(model_dir, grid_server.address, tmp_path, **kw))
-        return made[-1]
-    yield make
-    for r in made:
-        r.close()
+def rollouts(grid_server, model_dir, serving, tmp_path):
+    """make(**kw) -> Rollouts on the grid server and the module's replica, configured for the test."""
+    return lambda **kw: Rollouts(model_dir, grid_server.address, tmp_path, serving, **kw)
 
 
 def unpad(data: DataProto) -> list[SimpleNamespace]:
@@ -232,20 +244,30 @@ def unpad(data: DataProto) -> list[SimpleNamespace]:
         att = data.batch["attention_mask"][i]
         n = int(att[plen:].sum())
         assert att[plen:plen + n].all() and not att[plen + n:].any()   # right-padded responses
-        rm = data.batch["rm_scores"][i]
-        assert not rm[:n - 1].any() and not rm[n:].any()               # the score sits on the last token
+        rm = data.batch["rm_scores"][i] if "rm_scores" in data.batch.keys() else None
+        if rm is not None:
+            assert not rm[:n - 1].any() and not rm[n:].any()           # the score sits on the last token
         rows.append(SimpleNamespace(
             prompt_ids=data.batch["prompts"][i][att[:plen].bool()].tolist(),
             response_ids=data.batch["responses"][i, :n].tolist(),
             response_mask=data.batch["response_mask"][i, :n].tolist(),
             response_logprobs=data.batch["rollout_log_probs"][i, :n].tolist(),
-            reward_score=float(rm[n - 1]),
+            reward_score=None if rm is None else float(rm[n - 1]),
             num_turns=int(data.non_tensor_batch["__num_turns__"][i]),
-            extra_fields={k: data.non_tensor_batch[k][i] for k in
-                          ("turn_scores", "envserve_session", "env_success", "env_return", "env_invalid_actions")},
+            extra_fields={k: v[i] for k, v in data.non_tensor_batch.items()},
         ))
         assert not data.batch["response_mask"][i, n:].any()
     return rows
+
+
+def tool_call(direction: str) -> str:
+    return "<tool_call>\n" + json.dumps({"name": "move", "arguments": {"direction": direction}}) + "\n</tool_call>"
+
+
+def one_call(model_dir: str) -> list[list[int]]:
+    """A grammar for HFReplica: one whole `move` tool call, then end of turn."""
+    tokenizer = _tokenizer(model_dir)
+    return [[tokenizer.convert_tokens_to_ids(tool_call(d)) for d in DIRECTIONS], [tokenizer.eos_token_id]]
 
 
 def _tokenizer(model_dir: str):
@@ -417,7 +439,7 @@ def test_sessions_are_closed_when_a_rollout_fails(grid_server, model_dir, rollou
     """A replica that fails mid-episode, and an env that renders images for a text-only model, fail
     the batch loudly; their sessions are closed all the same."""
     before = live_session_ids(grid_server.address, "frozenlake")
-    failing = rollouts(grammar=one_answer(model_dir), fail_after=1)
+    failing = rollouts(grammar=garbled(model_dir), fail_after=1)   # invalid answers: the episode goes on
     with pytest.raises(Exception, match="replica failed"):
         failing.run([{"seed": 0}])
     assert len(failing.history()) == 1
@@ -503,3 +525,59 @@ def test_tool_lifecycle_with_an_expert_playing_to_success(grid_server, model_dir
         text, _, metrics = asyncio.run(mines.execute(iid, {"row": 2, "col": 3}))
         assert metrics["action_valid"] and "Revealed (2, 3)" in text.text
         asyncio.run(mines.release(iid))
+
+
+def test_verls_tool_agent_loop_plays_one_episode_per_trajectory(grid_server, model_dir, rollouts):
+    """verl's stock ToolAgentLoop (Hermes tool calls) with EnvServeTool, per_trajectory: each call's
+    move continues the row's episode, as a replay of the calls in one fresh session shows; the
+    calls' own sessions are closed, the episode's when it ends."""
+    address = grid_server.address
+    r = rollouts(grammar=one_call(model_dir), tool_options="      per_trajectory: true\n",
+                 overrides=("actor_rollout_ref.rollout.multi_turn.max_assistant_turns=5",))
+    tok = r.tokenizer
+    before = live_session_ids(address, "frozenlake")
+    rows = []
+    with EnvClient(address) as c:
+        for seed in (0, 1, 2):
+            sid = c.open(env_id="frozenlake", count=1, action_format="no_think")[0]
+            first = c.reset_one(sid, seed).observation.text
+            c.close_sessions([sid])
+            rows.append({"agent_name": "tool_agent", "seed": seed,
+                         "raw_prompt": [{"role": "user", "content": f"Reach the goal.\n{first}"}],
+                         "tools_kwargs": {"move": {"create_kwargs": {"seed": seed}}}})
+    outs = unpad(r.run(rows))
+    kept = set()
+    with EnvClient(address) as c:
+        for out, row in zip(outs, rows):
+            runs = segments(out.response_mask)
+            directions = [json.loads(tok.decode(out.response_ids[a:b], skip_special_tokens=True)
+                                     .split("<tool_call>")[1].split("</tool_call>")[0])["arguments"]["direction"]
+                          for v, a, b in runs if v == 1]
+            # The last call is not run when it comes with the last turn ToolAgentLoop allows.
+            executed = len(out.extra_fields["tool_rewards"])
+            assert executed in (len(directions), len(directions) - 1)
+            sid = c.open(env_id="frozenlake", count=1, action_format="no_think")[0]
+            c.reset_one(sid, row["seed"])
+            replay = []
+            for d in directions[:executed]:
+                replay.append(c.step_one(sid, plain_answer("no_think", [d])))
+                if replay[-1].done or replay[-1].truncated:
+                    break
+            c.close_sessions([sid])
+            # Every call stepped the same episode (rewards and observations match the replay's); calls
+            # after its end are told so, for no reward.
+            after = executed - len(replay)
+            assert list(out.extra_fields["tool_rewards"]) == pytest.approx([x.reward for x in replay] + [0.0] * after)
+            tool_turns = [tok.decode(out.response_ids[a:b]) for v, a, b in runs if v == 0]
+            assert all(text.startswith("\n<|im_start|>tool\n") for text in tool_turns)
+            for text, step in zip(tool_turns, replay):
+                assert observation_text(step) in text
+            assert all("The episode is over; no more actions" in text for text in tool_turns[len(replay):])
+            assert out.extra_fields["envserve_session"]
+            if not replay[-1].done:
+                kept.add(out.extra_fields["envserve_session"])
+            assert len(directions) >= 2 or replay[-1].done
+    # Only the kept episodes that did not end are open (the server's lease would drop them).
+    assert live_session_ids(address, "frozenlake") - before == kept
+    with EnvClient(address) as c:
+        c.close_sessions(sorted(kept))

@@ -44,6 +44,7 @@ import logging
 import os
 import re
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 from uuid import uuid4
@@ -267,14 +268,27 @@ class _Instance:
     episode_return: float = 0.0
     done: bool = False
     last: Any = None
+    kept: bool = False   # the episode of a trajectory (per_trajectory): its release does not close it
+
+
+# Trajectories whose episode a per_trajectory tool remembers (the oldest are forgotten, their
+# sessions closed): far more than a batch's rollouts.
+MAX_TRAJECTORIES = 65536
 
 
 class EnvServeTool(BaseTool):
     """One envserve session per tool instance (see the module's doc). config: type (verl's, "native"),
     address, env_id, env_config, action_format, token, timeout, include_rules (create's response
     starts with the env's rules), tools ("auto": `move(direction)` / `reveal(row, col)` from the
-    spec's action space, else "act": `act(action)`). Without a `tool_schema` in the YAML, the
-    schema is built from the env's spec."""
+    spec's action space, else "act": `act(action)`), per_trajectory. Without a `tool_schema` in the
+    YAML, the schema is built from the env's spec.
+
+    per_trajectory (default false) is for verl's ToolAgentLoop, which creates and releases an
+    instance around every call: the first call of a trajectory (verl's request id, from execute's
+    `agent_data`) keeps its session as the trajectory's episode and later calls step that one (their
+    own fresh sessions are closed at their release), so the episode goes on across turns. The kept
+    session is closed when the episode ends; one whose trajectory stops first is left to the
+    server's lease (or closed when MAX_TRAJECTORIES newer ones push it out)."""
 
     def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None = None):
         config = dict(_plain(config) or {})
@@ -294,6 +308,8 @@ class EnvServeTool(BaseTool):
         self.separator = str(settings["action_separator"])
         self._schema = _tool_schema(self.spec, config.get("tools", "auto"))
         self._instances: dict[str, _Instance] = {}
+        self.per_trajectory = bool(config.get("per_trajectory", False))
+        self._trajectories: "OrderedDict[str, str]" = OrderedDict()   # verl request id -> instance id
         super().__init__(config, tool_schema)
 
     def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
@@ -333,6 +349,8 @@ class EnvServeTool(BaseTool):
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[ToolResponse, float, dict]:
         """One Step with the call's action; returns (the text the model reads, the step's reward,
         metrics: action_valid, done, success, episode_return)."""
+        if self.per_trajectory and getattr(kwargs.get("agent_data"), "request_id", None):
+            instance_id = await self._trajectory_instance(kwargs["agent_data"], instance_id)
         inst = self._instances.get(instance_id)
         if inst is None:
             return ToolResponse(text="Error: no such environment instance."), 0.0, {}
@@ -357,6 +375,8 @@ class EnvServeTool(BaseTool):
         inst.last = result
         inst.episode_return += result.reward
         inst.done = bool(result.done or result.truncated)
+        if inst.done and inst.kept:
+            await self._close(inst.session_id)
         text = observation_text(result) + f"\nReward: {result.reward:g}."
         if result.done:
             text += "\nThe episode is over: " + ("success." if result.success else "failure.")
@@ -372,14 +392,41 @@ class EnvServeTool(BaseTool):
         return inst.episode_return if inst is not None else 0.0
 
     async def release(self, instance_id: str, **kwargs) -> None:
-        """Closes the session; never raises (the replica may be gone, its lease drops the session)."""
-        inst = self._instances.pop(instance_id, None)
-        if inst is None:
+        """Closes the session (not a trajectory's kept episode, see per_trajectory)."""
+        inst = self._instances.get(instance_id)
+        if inst is None or inst.kept:
             return
+        del self._instances[instance_id]
+        await self._close(inst.session_id)
+
+    async def _close(self, session_id: str) -> None:
+        """Never raises: the replica may be gone, and its lease drops the session then."""
         try:
-            await self._client().close_sessions([inst.session_id])
+            await self._client().close_sessions([session_id])
         except Exception as e:
-            logger.warning("closing envserve session %s failed: %s", inst.session_id, e)
+            logger.warning("closing envserve session %s failed: %s", session_id, e)
+
+    async def _trajectory_instance(self, agent_data, instance_id: str) -> str:
+        """The instance holding the trajectory's episode: the first call's own, kept from then on."""
+        key = str(agent_data.request_id)
+        kept = self._trajectories.get(key)
+        if kept is not None and kept in self._instances:
+            self._trajectories.move_to_end(key)
+            return kept
+        inst = self._instances.get(instance_id)
+        if inst is None:
+            return instance_id
+        inst.kept = True
+        self._trajectories[key] = instance_id
+        extra = getattr(agent_data, "extra_fields", None)
+        if isinstance(extra, dict):
+            extra["envserve_session"] = inst.session_id
+        while len(self._trajectories) > MAX_TRAJECTORIES:
+            _, old = self._trajectories.popitem(last=False)
+            gone = self._instances.pop(old, None)
+            if gone is not None and not gone.done:
+                await self._close(gone.session_id)
+        return instance_id
 
 
 def _response(text: str, result) -> ToolResponse:
