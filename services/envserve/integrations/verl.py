@@ -52,6 +52,7 @@ from uuid import uuid4
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
 from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+from verl.utils.rollout_trace import rollout_trace_op
 
 from envserve.client import AsyncEnvClient, EnvClient, EnvServeError, decode_image, item_error
 from envserve.client.experts import plain_answer, session_settings
@@ -161,6 +162,7 @@ class EnvServeAgentLoop(AgentLoopBase):
             seed=None if seed is None or seed == "" else int(seed), task_id=str(s.get("task_id") or ""),
             split=str(s.get("split") or ""), token=s.get("token"), timeout=s.get("timeout"))
 
+    @rollout_trace_op
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
         s = self.settings(kwargs)
         client = _client(s.address, s.token, s.timeout)
@@ -198,16 +200,19 @@ class EnvServeAgentLoop(AgentLoopBase):
         loop = asyncio.get_running_loop()
         while len(mask) < self.response_length:
             params = dict(sampling_params)
-            params["max_tokens"] = self.response_length - len(mask)
+            left = self.response_length - len(mask)
+            params["max_tokens"] = min(int(params.get("max_tokens") or left), left)
             t0 = loop.time()
             out = await self.server_manager.generate(request_id=request_id, prompt_ids=runtime_ids,
                                                      sampling_params=params, image_data=images or None)
             metrics["generate_sequences"] += loop.time() - t0
             if out.num_preempted is not None:
                 metrics["num_preempted"] = metrics.get("num_preempted", 0) + out.num_preempted
+            if logprobs is not None and out.log_probs is None:
+                logprobs = None  # a server that gives none: the rollout carries none
             merge, mask, logprobs = await self.ct_merge_assistant_token(
                 runtime_ids, out.token_ids, mask, logprobs,
-                assistant_logprobs=out.log_probs if want_logprobs else None)
+                assistant_logprobs=out.log_probs if logprobs is not None else None)
             runtime_ids = merge.token_ids
             assistant_turns += 1
             text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
