@@ -1,5 +1,7 @@
-"""envserve.integrations.verl against verl 0.9's own classes: EnvServeAgentLoop run through verl's
-agent-loop registry and its LLMServerClient, and EnvServeTool loaded from a verl tool config.
+"""envserve.integrations.verl against verl 0.9's own classes: verl's hydra ppo_trainer config with an
+agent-loop file and a tool file as a user writes them, verl's AgentLoopWorker running
+EnvServeAgentLoop (and its stock ToolAgentLoop with EnvServeTool) on DataProto batches, over a real
+grid server on loopback.
 
 The model server: verl's LLMServerClient (unchanged) routes each `generate` through verl's own
 GlobalRequestLoadBalancer (a Ray actor, as in training) to a rollout replica. verl's replicas are vLLM,
@@ -34,7 +36,7 @@ import torch  # noqa: E402
 from envserve.client import EnvClient  # noqa: E402
 from envserve.client.experts import FrozenLakeExpert, SokobanExpert, plain_answer  # noqa: E402
 from envserve.client.experts.base import Truth, session_settings  # noqa: E402
-from envserve.integrations.verl import AGENT_NAME, EnvServeAgentLoop, EnvServeTool, observation_text  # noqa: E402
+from envserve.integrations.verl import AGENT_NAME, EnvServeTool, observation_text  # noqa: E402
 from envserve.v1 import envserve_pb2 as pb  # noqa: E402
 from envserve.v1 import envserve_pb2_grpc as pb_grpc  # noqa: E402
 
