@@ -9,7 +9,8 @@
 # pins 5.23) and tensordict to <=0.10, and pulls ray, wandb and hydra. verl itself declares no torch:
 # the CPU build is installed first (from a local wheel where pip finds one) and held there, so no
 # later step swaps it for a CUDA build. verl's inference engines (vllm, sglang) are not installed:
-# the tests put a real Hugging Face model behind verl's generate interface instead.
+# the tests put a real Hugging Face model behind verl's generate interface instead. About 80 s on a
+# 2-core machine from an empty venv (torch from a local wheel where pip finds one), 1.9 GB on disk.
 set -euo pipefail
 
 VENV=${1:-.verl-venv}
