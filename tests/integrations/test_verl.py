@@ -160,6 +160,7 @@ def write_configs(directory, address: str, tool_options: str = "") -> tuple[str,
   env_id: frozenlake
   action_format: no_think
   max_turns: 6
+  env_config: {{max_turns: 50}}
 """)
     with open(tools, "w") as f:
         f.write(f"""tools:
@@ -371,7 +372,8 @@ def test_agent_loop_plays_frozenlake_and_sokoban_through_verls_worker(grid_serve
     rewards, finished = [], 0
     for out, row in zip(outs, rows):
         env_id = row.get("env_id", "frozenlake")
-        results = check_episode(out, calls_for(out, pool), tok, grid_server.address, env_id, row["seed"])
+        results = check_episode(out, calls_for(out, pool), tok, grid_server.address, env_id, row["seed"],
+                                {"max_turns": 50})   # the YAML's env_config
         assert all(r.action_valid for r in results)           # whole answers only: every move is valid
         assert 1 <= len(results) <= 6
         if results[-1].done:
@@ -409,15 +411,18 @@ def calls_for(out, pool: list[dict]) -> list[dict]:
 
 def test_garbled_answers_are_invalid_actions_with_the_envs_feedback(grid_server, model_dir, rollouts):
     """Text without an answer is an invalid action: the env's penalty is the reward, and its feedback
-    opens the next observation turn (mask 0), which the model reads."""
+    opens the next observation turn (mask 0), which the model reads. A row's env_config reaches Open:
+    the Sokoban session's own turn limit (3) truncates its episode."""
     rollouts = rollouts(grammar=garbled(model_dir))
-    rows = [{"seed": 4}, {"seed": 5, "env_id": "sokoban"}]
+    rows = [{"seed": 4}, {"seed": 5, "env_id": "sokoban", "env_config": {"max_turns": 3}}]
     outs = unpad(rollouts.run(rows))
     pool = rollouts.history()
     for out, row in zip(outs, rows):
         results = check_episode(out, calls_for(out, pool), rollouts.tokenizer, grid_server.address,
-                                row.get("env_id", "frozenlake"), row["seed"])
+                                row.get("env_id", "frozenlake"), row["seed"], row.get("env_config", {"max_turns": 50}))
         assert results and not any(r.action_valid for r in results)
+        if "env_config" in row:
+            assert len(results) == 3 and results[-1].truncated
         assert all(r.feedback for r in results)
         assert out.reward_score < 0 and out.extra_fields["env_invalid_actions"] == len(results)
         tok = rollouts.tokenizer
