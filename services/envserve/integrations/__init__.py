@@ -3,6 +3,8 @@
 trl: `environment_factory(address, env_id, ...)` for `trl.GRPOTrainer(environment_factory=...)`.
 skyrl: `register(address, env_ids)` and `EnvServeTextEnv`, a skyrl_gym BaseTextEnv (`skyrl_gym.make`).
 gem: `register(address, env_ids)` and `EnvServeEnv`, a gem.Env (`gem.make`, `gem.make_vec`).
+verl: `EnvServeAgentLoop` (verl's agent loop `envserve_agent`) and `EnvServeTool` (a verl BaseTool);
+imports verl, so only where verl is installed (deploy/trainer/verl-venv.sh).
 What they share (one channel per address, the session wrapper) is in `_common`; `close_channels()`
 closes the shared channels (they close at exit anyway).
 """
