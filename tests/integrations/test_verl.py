@@ -36,7 +36,8 @@ import torch  # noqa: E402
 from envserve.client import EnvClient  # noqa: E402
 from envserve.client.experts import FrozenLakeExpert, SokobanExpert, plain_answer  # noqa: E402
 from envserve.client.experts.base import Truth, session_settings  # noqa: E402
-from envserve.integrations.verl import AGENT_NAME, EnvServeTool, observation_text  # noqa: E402
+from envserve.integrations._common import feedback_and_observation as observation_text  # noqa: E402
+from envserve.integrations.verl import AGENT_NAME, EnvServeTool  # noqa: E402
 from envserve.v1 import envserve_pb2 as pb  # noqa: E402
 from envserve.v1 import envserve_pb2_grpc as pb_grpc  # noqa: E402
 

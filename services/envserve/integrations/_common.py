@@ -18,7 +18,8 @@ from typing import Any, Mapping, Sequence
 
 import grpc
 
-from envserve.client import (EnvClient, EnvServeError, SessionLostError, SessionNotFoundError, item_error)
+from envserve.client import (EnvClient, EnvServeError, SessionLostError, SessionNotFoundError, decode_image,
+                             item_error)
 from envserve.client.client import make_channel
 from envserve.client.experts import plain_answer, session_settings
 
@@ -289,21 +290,41 @@ def error_text(err: EnvServeError) -> str:
     return f"Error: the environment failed ({err.code.name}: {err.message}). The episode is over."
 
 
-def step_text(result) -> str:
-    """What the model reads after a step: feedback (why an action was invalid), the observation, the
-    reward and, at the end, how the episode ended."""
+def feedback_and_observation(result) -> str:
+    """The env's feedback (why an action was invalid, what happened), then the new observation."""
     parts = []
     if not result.action_valid:
         parts.append(result.feedback or "Invalid action.")
     elif result.feedback:
         parts.append(result.feedback)
     parts.append(result.observation.text)
-    parts.append(f"Reward: {result.reward:g}.")
+    return "\n".join(p for p in parts if p)
+
+
+def step_text(result) -> str:
+    """What the model reads after a step: feedback (why an action was invalid), the observation, the
+    reward and, at the end, how the episode ended."""
+    parts = [feedback_and_observation(result), f"Reward: {result.reward:g}."]
     if result.done:
         parts.append("The episode is over: " + ("success." if result.success else "failure."))
     elif result.truncated:
         parts.append("The episode is over: turn limit reached.")
     return "\n".join(p for p in parts if p)
+
+
+def pil_images(result) -> list:
+    """The observation's images as PIL images (what the frameworks' processors take)."""
+    if not result.observation.images:
+        return []
+    from PIL import Image
+    return [Image.fromarray(decode_image(im)) for im in result.observation.images]
+
+
+def content_blocks(text: str, images: list) -> "str | list[dict[str, Any]]":
+    """Text alone, or chat content blocks (images first) when there are images."""
+    if not images:
+        return text
+    return [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]
 
 
 def first_text(rules: str, result) -> str:

@@ -26,10 +26,10 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Mapping, Union
 
-from envserve.client import decode_image
 from envserve.client.experts import plain_answer, session_settings
 
-from ._common import Endpoint, Session, action_choices, close_quietly, error_text, is_cell_space, step_text
+from ._common import (Endpoint, Session, action_choices, close_quietly, content_blocks, error_text, is_cell_space,
+                      pil_images, step_text)
 
 # What a tool returns: the step's text or, with images, TRL's content blocks. A real type (not a
 # string), because the tools' schemas are read from their evaluated type hints.
@@ -167,11 +167,7 @@ class EnvServeEnvironment:
 
 def _content(text: str, result) -> Observation:
     """Text alone, or TRL's content blocks (images first, as PIL images) when the session sends images."""
-    if not result.observation.images:
-        return text
-    from PIL import Image
-    blocks = [{"type": "image", "image": Image.fromarray(decode_image(im))} for im in result.observation.images]
-    return blocks + [{"type": "text", "text": text}]
+    return content_blocks(text, pil_images(result))
 
 
 # -- tools -----------------------------------------------------------------------------------------

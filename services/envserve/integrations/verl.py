@@ -42,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -54,14 +53,15 @@ from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 from verl.utils.rollout_trace import rollout_trace_op
 
-from envserve.client import AsyncEnvClient, EnvClient, EnvServeError, decode_image, item_error
+from envserve.client import AsyncEnvClient, EnvClient, EnvServeError, item_error
 from envserve.client.experts import plain_answer, session_settings
+
+from ._common import (action_choices, content_blocks, error_text, feedback_and_observation, is_cell_space, pil_images,
+                      step_text)
 
 logger = logging.getLogger(__name__)
 
 AGENT_NAME = "envserve_agent"
-_CHOICES = re.compile(r"^one of (?P<choices>[^()]+?)\s*(\(.*\))?$")
-_CELL = re.compile(r"^\(row, col\)")
 
 # One asyncio channel per (event loop, address, token): verl makes an agent loop per row, and a grpc
 # aio channel belongs to the loop it was made on. Channels of a finished loop go with it.
@@ -89,29 +89,6 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "tolist"):
         return value.tolist()
     return value
-
-
-def _images(result) -> list:
-    from PIL import Image
-    return [Image.fromarray(decode_image(im)) for im in result.observation.images]
-
-
-def _user_content(text: str, images: list) -> "str | list[dict]":
-    if not images:
-        return text
-    return [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]
-
-
-def observation_text(result) -> str:
-    """What the model reads after a step: the env's feedback (why an action was invalid, what
-    happened), then the new observation."""
-    parts = []
-    if not result.action_valid:
-        parts.append(result.feedback or "Invalid action.")
-    elif result.feedback:
-        parts.append(result.feedback)
-    parts.append(result.observation.text)
-    return "\n".join(p for p in parts if p)
 
 
 @dataclass
@@ -182,9 +159,9 @@ class EnvServeAgentLoop(AgentLoopBase):
         err = item_error(first)
         if err is not None:
             raise err
-        images = _images(first)
+        images = pil_images(first)
         messages: list[dict[str, Any]] = [{"role": "system", "content": system_prompt},
-                                          {"role": "user", "content": _user_content(first.observation.text, images)}]
+                                          {"role": "user", "content": content_blocks(first.observation.text, images)}]
         self._assert_mm_supported(bool(images))
         runtime_ids = await self.ct_build_initial_tokens(messages, images=images or None)
         want_logprobs = bool(sampling_params.get("logprobs"))
@@ -232,11 +209,11 @@ class EnvServeAgentLoop(AgentLoopBase):
             success = success or bool(result.success)
             if result.done or result.truncated or (s.max_turns and assistant_turns >= s.max_turns):
                 break
-            step_images = _images(result)
+            step_images = pil_images(result)
             self._assert_mm_supported(bool(step_images))
             messages.append({"role": "assistant", "content": text})
             previous = list(messages)
-            messages.append({"role": "user", "content": _user_content(observation_text(result), step_images)})
+            messages.append({"role": "user", "content": content_blocks(feedback_and_observation(result), step_images)})
             merge, new_mask, new_logprobs = await self.ct_merge_context_msg(previous, messages, runtime_ids, mask,
                                                                              logprobs)
             if len(new_mask) >= self.response_length:
@@ -375,18 +352,13 @@ class EnvServeTool(BaseTool):
             result, err = None, e
         if err is not None:
             inst.done = True
-            return ToolResponse(text=f"Error: the environment failed ({err.code.name}: {err.message}). "
-                                     "The episode is over."), 0.0, {"done": True, "error": err.code.name}
+            return ToolResponse(text=error_text(err)), 0.0, {"done": True, "error": err.code.name}
         inst.last = result
         inst.episode_return += result.reward
         inst.done = bool(result.done or result.truncated)
         if inst.done and inst.kept:
             await self._close(inst.session_id)
-        text = observation_text(result) + f"\nReward: {result.reward:g}."
-        if result.done:
-            text += "\nThe episode is over: " + ("success." if result.success else "failure.")
-        elif result.truncated:
-            text += "\nThe episode is over: turn limit reached."
+        text = step_text(result)
         metrics = {"action_valid": bool(result.action_valid), "done": inst.done, "success": bool(result.success),
                    "episode_return": inst.episode_return}
         return _response(text, result), float(result.reward), metrics
@@ -435,7 +407,7 @@ class EnvServeTool(BaseTool):
 
 
 def _response(text: str, result) -> ToolResponse:
-    images = _images(result)
+    images = pil_images(result)
     return ToolResponse(text=text, image=images) if images else ToolResponse(text=text)
 
 
@@ -456,14 +428,13 @@ def _tool_schema(spec, mode: str) -> OpenAIFunctionToolSchema:
     space = " ".join(spec.action_space.split())
     if mode not in ("auto", "act"):
         raise ValueError(f"tools must be 'auto' or 'act', got {mode!r}")
-    m = _CHOICES.match(space) if mode == "auto" else None
-    if m:
-        choices = [c.strip() for c in m.group("choices").split(",") if c.strip()]
+    choices = action_choices(spec) if mode == "auto" else None
+    if choices:
         fn = dict(name="move", description="Move one step in a direction; returns what happened, the new "
                                            "observation and the reward.",
                   parameters=dict(type="object", required=["direction"], properties=dict(
                       direction=dict(type="string", enum=choices, description="Where to move."))))
-    elif mode == "auto" and _CELL.match(space):
+    elif mode == "auto" and is_cell_space(spec):
         fn = dict(name="reveal", description="Reveal one hidden cell of the board; returns what happened, the "
                                              "new board and the reward.",
                   parameters=dict(type="object", required=["row", "col"], properties=dict(
