@@ -13,7 +13,8 @@ trainer can collect demonstrations from a remote replica.
 """
 from __future__ import annotations
 
-from .answers import (FORMATS, answer_text, meta_tag, needs_observation, needs_prediction, plain_answer)
+from .answers import (FORMATS, answer_text, fields_answer, meta_tag, needs_observation, needs_prediction,
+                      plain_answer)
 from .base import CONTINUE, EXPLORE, PLAN, REFLECT, Expert, Move, Truth, relation_text, session_settings
 from .embodied import NavigationExpert, PrimitiveSkillExpert, agent_frame_offsets, plan_turn
 from .grid import (FrozenLakeExpert, MinesweeperExpert, SokobanExpert, deduce_minesweeper, mine_probabilities,
@@ -27,7 +28,7 @@ EXPERTS: dict[str, type[Expert]] = {cls.env_id: cls for cls in (
 
 __all__ = [
     "EXPERTS", "Expert", "Move", "Truth", "ExpertEpisode", "ExpertTurn", "play_expert", "expert_for", "look_ahead",
-    "answer_text", "plain_answer", "meta_tag", "needs_observation", "needs_prediction", "FORMATS",
+    "answer_text", "plain_answer", "fields_answer", "meta_tag", "needs_observation", "needs_prediction", "FORMATS",
     "relation_text", "session_settings", "PLAN", "CONTINUE", "EXPLORE", "REFLECT",
     "SokobanExpert", "FrozenLakeExpert", "MinesweeperExpert", "AlfWorldExpert", "ScienceWorldExpert",
     "NavigationExpert", "PrimitiveSkillExpert", "plan_sokoban", "plan_frozenlake", "deduce_minesweeper",

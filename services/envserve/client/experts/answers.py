@@ -7,7 +7,7 @@ format takes exactly one meta-reasoning tag, then `<action>`.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from .base import CONTINUE, EXPLORE, PLAN, REFLECT, Move, Truth, relation_text
 
@@ -92,11 +92,19 @@ def answer_text(action_format: str, actions: Sequence[str], truth_now: Truth | N
 
 def plain_answer(action_format: str, actions: Sequence[str], separator: str = ",") -> str:
     """A minimal valid answer carrying only the actions (a fork stepped to see where they lead)."""
+    return fields_answer(action_format, actions, {}, separator)
+
+
+def fields_answer(action_format: str, actions: Sequence[str], texts: Mapping[str, str],
+                  separator: str = ",") -> str:
+    """A valid answer carrying the actions and, in the format's fields, the given texts (`texts`
+    maps a field name, e.g. "observation" or "prediction", to its text); a field without a text, or
+    with an empty one, holds the placeholder `-`. Texts for fields the format lacks are ignored."""
     fields = THINK_FIELDS.get(_known(action_format))
     acts = join_actions(actions, separator)
     if action_format == META_REASONING:
         return f"<monitor>-</monitor><action>{acts}</action>"
     if fields is None:
         return f"<answer>{acts}</answer>"
-    inner = "".join(f"<{name}>-</{name}>" for name in fields) if fields else "-"
+    inner = "".join(f"<{name}>{_clean(texts.get(name) or '') or '-'}</{name}>" for name in fields) if fields else "-"
     return f"<think>{inner}</think><answer>{acts}</answer>"
