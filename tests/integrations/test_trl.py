@@ -220,3 +220,164 @@ def test_grpo_trainer_learns_from_envserve_rewards(grid_server, tmp_path, monkey
         for sid in sessions:
             with pytest.raises(SessionNotFoundError):
                 c.step_one(sid, "<answer>Left</answer>")
+
+
+# -- the judge reward ------------------------------------------------------------------------------
+JUDGED_FORMAT = "grounding_worldmodeling"
+
+
+@pytest.fixture(scope="module")
+def judge(grid_server):
+    from serverproc import JudgeProcess
+    with JudgeProcess(grid_server.address) as j:
+        yield j
+
+
+def judge_betas(address: str) -> tuple[float, float]:
+    from envserve.client import JudgeClient
+    with JudgeClient(address) as jc:
+        config = jc.info().config
+    return float(config["beta_grounding"]), float(config["beta_world_modeling"])
+
+
+def expert_turns(address: str, seed: int) -> list[tuple[str, str, str]]:
+    """(direction, true observation text, true prediction text) of each turn of the FrozenLake
+    expert's episode from `seed`, as the experts write them from the true state."""
+    from envserve.client.experts import play_expert
+    with EnvClient(address) as c:
+        (episode,) = play_expert(c, "frozenlake", [seed], JUDGED_FORMAT, config={"max_actions_per_turn": 1})
+    assert episode.success and len(episode.turns) > 2
+    return [(t.move.actions[0], t.result.reasoning["observation"], t.result.reasoning["prediction"])
+            for t in episode.turns]
+
+
+def test_tools_take_observation_and_prediction_only_with_a_judge(factory, judge):
+    plain = schema(factory("frozenlake", action_format=JUDGED_FORMAT)(), "move")["parameters"]
+    assert list(plain["properties"]) == ["direction"]
+    judged = factory("frozenlake", action_format=JUDGED_FORMAT, judge_address=judge.address)()
+    move = schema(judged, "move")["parameters"]
+    assert list(move["properties"]) == ["direction", "observation", "prediction"]
+    assert move["required"] == ["direction"]
+    assert move["properties"]["observation"]["type"] == "string"
+    assert "relative to you" in move["properties"]["observation"]["description"]
+    assert "after this action" in move["properties"]["prediction"]["description"]
+    # A format with only one of the fields gets only that parameter; every tool kind gets them.
+    grounding = factory("minesweeper", action_format="grounding", judge_address=judge.address)()
+    assert list(schema(grounding, "reveal")["parameters"]["properties"]) == ["row", "col", "observation"]
+    act = factory("frozenlake", action_format="worldmodeling", judge_address=judge.address, tools="act")()
+    assert list(schema(act, "act")["parameters"]["properties"]) == ["action", "prediction"]
+
+
+def test_a_judge_needs_a_format_with_observation_or_prediction(factory, judge):
+    for action_format in ("no_think", "free_think", "meta_reasoning"):
+        with pytest.raises(ValueError, match="neither"):
+            factory("frozenlake", action_format=action_format, judge_address=judge.address)
+
+
+def test_true_observations_and_predictions_earn_the_judge_reward(grid_server, factory, judge):
+    from envserve.client import JudgeClient, JudgeTask
+    from envserve.client.judge import reasoning_reward
+    seed, weight = 2, 0.5
+    turns = expert_turns(grid_server.address, seed)
+    beta_g, beta_w = judge_betas(judge.address)
+
+    plain = factory("frozenlake", action_format=JUDGED_FORMAT)()
+    plain.reset(seed=seed)
+    for direction, _, _ in turns:
+        plain.move(direction)
+    assert plain.last_result.success
+    env_return = plain.get_reward()
+
+    cls = factory("frozenlake", action_format=JUDGED_FORMAT, judge_address=judge.address, judge_weight=weight)
+    right = cls()
+    right.reset(seed=seed)
+    for direction, observation, prediction in turns:
+        right.move(direction, observation=observation, prediction=prediction)
+    assert right.last_result.success
+    reward = right.get_reward()
+    assert right.judge_errors == []
+    assert [s["turn"] for s in right.judge_scores] == list(range(len(turns)))
+    # The same texts judged directly, and the reward formula of the client applied to the results.
+    with JudgeClient(judge.address) as jc:
+        tasks = [JudgeTask(f"{t}/{field}", right.session_id, t, field, text, episode=right.last_result.episode,
+                           trial=right.last_result.trial)
+                 for t, (_, observation, prediction) in enumerate(turns)
+                 for field, text in (("grounding", observation), ("world_modeling", prediction))]
+        scores = {r.key: r.score for r in jc.judge(tasks)}
+    direct = [reasoning_reward(scores[f"{t}/grounding"], scores[f"{t}/world_modeling"], beta_g, beta_w).total
+              for t in range(len(turns))]
+    assert all(s == pytest.approx(1.0) for s in scores.values())   # the experts' texts are true
+    assert reward == pytest.approx(env_return + weight * sum(direct) / len(direct))
+    assert reward > env_return
+
+    # The same moves with wrong texts (each turn's truth shifted to another turn), or none at all.
+    wrong = cls()
+    wrong.reset(seed=seed)
+    for i, (direction, _, _) in enumerate(turns):
+        _, observation, prediction = turns[(i + 1) % len(turns)]
+        wrong.move(direction, observation=observation, prediction=prediction)
+    none = cls()
+    none.reset(seed=seed)
+    for direction, _, _ in turns:
+        none.move(direction)
+    assert none.get_reward() == pytest.approx(env_return)
+    assert all(s["grounding"] is None and s["reward"] == 0 for s in none.judge_scores)
+    wrong_reward = wrong.get_reward()
+    assert wrong.judge_errors == []
+    assert env_return <= wrong_reward < reward
+    mean = sum(reasoning_reward(s["grounding"], s["world_modeling"], beta_g, beta_w).total
+               for s in wrong.judge_scores) / len(turns)
+    assert wrong_reward == pytest.approx(env_return + weight * mean)
+    # A new episode starts with no judge scores.
+    right.reset(seed=seed)
+    assert right.judge_scores == [] and right.get_reward() == 0.0
+
+
+def test_a_judge_that_dies_mid_episode_scores_the_rest_zero(grid_server, factory):
+    from serverproc import JudgeProcess
+    turns = expert_turns(grid_server.address, 2)
+    plain = factory("frozenlake", action_format=JUDGED_FORMAT)()
+    plain.reset(seed=2)
+    plain.move(turns[0][0])
+    first_return = plain.get_reward()
+    for direction, _, _ in turns[1:]:
+        plain.move(direction)
+    with JudgeProcess(grid_server.address) as judge:
+        beta_g, beta_w = judge_betas(judge.address)
+        env = factory("frozenlake", action_format=JUDGED_FORMAT, judge_address=judge.address, timeout=10)()
+        env.reset(seed=2)
+        direction, observation, prediction = turns[0]
+        env.move(direction, observation=observation, prediction=prediction)
+        # get_reward mid-episode waits for the turns so far: the first is judged while the judge is up.
+        assert env.get_reward() == pytest.approx(first_return + beta_g + beta_w)
+        judge.kill()
+        for direction, observation, prediction in turns[1:]:
+            out = env.move(direction, observation=observation, prediction=prediction)
+            assert "Error" not in out                 # the rollout goes on without the judge
+        assert env.last_result.success
+        reward = env.get_reward()
+    scores = env.judge_scores
+    assert len(scores) == len(turns)
+    assert scores[0]["grounding"] == pytest.approx(1.0) and scores[0]["reward"] == pytest.approx(beta_g + beta_w)
+    assert all(s["grounding"] is None and s["world_modeling"] is None and s["reward"] == 0 for s in scores[1:])
+    assert len(env.judge_errors) == len(turns) - 1 and all("UNAVAILABLE" in e for e in env.judge_errors)
+    assert reward == pytest.approx(plain.get_reward() + (beta_g + beta_w) / len(turns))
+
+
+def test_close_stops_the_judges_threads_and_a_later_episode_is_judged_again(grid_server, factory, judge):
+    import threading
+    turns = expert_turns(grid_server.address, 2)
+    cls = factory("frozenlake", action_format=JUDGED_FORMAT, judge_address=judge.address)
+    env = cls()
+    for _ in range(2):
+        env.reset(seed=2)
+        for direction, observation, prediction in turns:
+            env.move(direction, observation=observation, prediction=prediction)
+        env.get_reward()
+        assert env.judge_errors == [] and len(env.judge_scores) == len(turns)
+        assert all(s["grounding"] == pytest.approx(1.0) for s in env.judge_scores)
+        assert any(t.name.startswith("envserve-trl-judge") for t in threading.enumerate())
+        cls.close()
+        for t in threading.enumerate():
+            if t.name.startswith("envserve-trl-judge"):
+                t.join()

@@ -20,13 +20,24 @@ for the address. A tool call is one Step: the tool's argument is written as a mi
 session's action format (`no_think` by default, so the server sees `<answer>Down</answer>`), which is how the same
 parser and rewards apply as for text-only policies. Invalid actions and finished episodes come back as
 text for the model, never as exceptions.
+
+With `judge_address` (an `envserve judge`), the tools also take `observation` and `prediction` texts,
+written into the format's `<observation>`/`<prediction>` tags; each step's texts go to the judge in
+the background and `get_reward()` adds `judge_weight` times the mean over turns of the reasoning reward
+(`envserve.client.judge.reasoning_reward` with the judge's own betas). A judge that fails scores the
+turn 0; the reason is in `judge_errors`.
 """
 from __future__ import annotations
 
+import inspect
+import os
 import re
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Union
 
-from envserve.client.experts import plain_answer, session_settings
+from envserve.client.experts import fields_answer, needs_observation, needs_prediction, plain_answer, session_settings
+from envserve.client.judge import JudgeClient, JudgeTask, reasoning_reward
 
 from ._common import (Endpoint, Session, action_choices, close_quietly, content_blocks, error_text, is_cell_space,
                       pil_images, step_text)
@@ -35,11 +46,16 @@ from ._common import (Endpoint, Session, action_choices, close_quietly, content_
 # string), because the tools' schemas are read from their evaluated type hints.
 Observation = Union[str, list[dict[str, Any]]]
 
+# The format's field that holds each text, and the judge's name for what it scores.
+JUDGED_FIELDS = {"observation": "grounding", "prediction": "world_modeling"}
+
 
 def environment_factory(address: str, env_id: str, config: Mapping[str, Any] | None = None,
                         action_format: str = "no_think", token: str | None = None, *,
                         tools: str = "auto", include_rules: bool = True, timeout: float | None = 60.0,
-                        root_certificates: "bytes | str | None" = None, tls: bool = False) -> type:
+                        root_certificates: "bytes | str | None" = None, tls: bool = False,
+                        judge_address: str | None = None, judge_token: str | None = None,
+                        judge_weight: float = 1.0) -> type:
     """A class for `GRPOTrainer(environment_factory=...)` whose instances are sessions of `env_id`.
 
     config and action_format are Open's. tools: "auto" (typed tools from the spec's action space, e.g.
@@ -48,21 +64,38 @@ def environment_factory(address: str, env_id: str, config: Mapping[str, Any] | N
     spec's system prompt; the format's answer instructions are left out, tools replace them) before
     the first observation. Reset reads `seed`, `task_id` and `split` from the dataset row; a row with none of
     them gets a task of the env's first split.
+
+    judge_address: an `envserve judge` reading this server's sessions (judge_token its token; the
+    timeout and TLS settings are the env's). The action format must have an `<observation>` and/or a
+    `<prediction>` field (`grounding`, `worldmodeling`, `grounding_worldmodeling`); the tools then take
+    optional `observation` (what the model sees now) and `prediction` (what it expects after the
+    action) texts, judged against the true state of this turn and the next. `get_reward()` adds
+    judge_weight * mean over the episode's turns of `reasoning_reward(grounding, world_modeling,
+    beta_grounding, beta_world_modeling)` with the judge's betas (GetJudgeInfo); a turn without texts,
+    or whose judging failed, earns 0. `judge_scores` and `judge_errors` hold the last episode's.
     """
     if tools not in ("auto", "act"):
         raise ValueError(f"tools must be 'auto' or 'act', got {tools!r}")
     plain_answer(action_format, ["x"])  # an unknown format fails here, not in the middle of training
+    has = {"observation": needs_observation(action_format), "prediction": needs_prediction(action_format)}
+    judged = [name for name in JUDGED_FIELDS if has[name]]
+    if judge_address and not judged:
+        raise ValueError(f"a judge scores <observation> and <prediction> texts; action format {action_format!r} "
+                         "has neither (use grounding, worldmodeling or grounding_worldmodeling)")
     pool = _Pool(Endpoint(address, token, timeout, root_certificates, tls))
     spec = pool.endpoint.spec(env_id)
     if spec.action_formats and action_format not in spec.action_formats:
         raise ValueError(f"{env_id} accepts action formats {list(spec.action_formats)}, not {action_format!r}")
     settings = session_settings(spec, config)
+    judge = (_Judge(lambda: JudgeClient(judge_address, judge_token, root_certificates, tls, timeout),
+                    float(judge_weight)) if judge_address else None)
     attrs: dict[str, Any] = dict(
         _pool=pool, _env_id=env_id, _config=dict(config or {}), _action_format=action_format,
         _separator=str(settings["action_separator"]), _rules=spec.system_prompt if include_rules else "",
+        _judge=judge, _judged_fields=tuple(judged) if judge else (),
         __doc__=f"One envserve session of {env_id} at {address}; tools: see the methods.",
     )
-    for tool in _tools_for(spec, settings, tools):
+    for tool in _tools_for(spec, settings, tools, attrs["_judged_fields"]):
         attrs[tool.__name__] = tool
     name = "EnvServe" + "".join(part.capitalize() for part in re.split(r"[^A-Za-z0-9]+", env_id))
     return type(name, (EnvServeEnvironment,), attrs)
@@ -84,6 +117,44 @@ class _Pool:
         close_quietly(self.endpoint, sids)  # best effort, with a short deadline: the replica may be gone
 
 
+class _Judge:
+    """A factory's judge: the client, the betas the judge service reports, and the threads that
+    judge each step's texts while the rollout goes on (TRL calls the tools one rollout at a time).
+    The client and threads are made again in a forked process (gRPC channels do not survive fork)."""
+
+    def __init__(self, make_client: Callable[[], JudgeClient], weight: float):
+        self.make_client, self.weight = make_client, weight
+        self._lock = threading.Lock()
+        self._pid, self._client, self._executor = 0, None, None
+        config = self.client().info().config   # also: a judge that is not there fails at factory time
+        self.beta_grounding = float(config["beta_grounding"])
+        self.beta_world_modeling = float(config["beta_world_modeling"])
+
+    def client(self) -> JudgeClient:
+        with self._lock:
+            if self._client is None or self._pid != os.getpid():
+                self._pid, self._client, self._executor = os.getpid(), self.make_client(), None
+            return self._client
+
+    def submit(self, tasks: list[JudgeTask]) -> Future:
+        client = self.client()
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(4, thread_name_prefix="envserve-trl-judge")
+            return self._executor.submit(client.judge, tasks)
+
+    def close(self) -> None:
+        """Stops the threads (a later step starts them again); judging not yet started is cancelled
+        (a get_reward after close scores those turns 0, with the reason in judge_errors)."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None and self._pid == os.getpid():
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    def reward(self, grounding: float | None, world_modeling: float | None) -> float:
+        return reasoning_reward(grounding, world_modeling, self.beta_grounding, self.beta_world_modeling).total
+
+
 class EnvServeEnvironment:
     """Base of the classes `environment_factory` builds (they set the class attributes). Public
     functions of subclasses are TRL tools, so everything else here is private, a classmethod or a
@@ -95,6 +166,8 @@ class EnvServeEnvironment:
     _action_format: str
     _separator: str
     _rules: str
+    _judge: "_Judge | None"
+    _judged_fields: tuple[str, ...]
 
     def __init__(self):
         # Opened on the first reset; closed on the server when TRL drops the instance (the session's
@@ -104,11 +177,17 @@ class EnvServeEnvironment:
         self._return = 0.0
         self._done = False
         self._last = None
+        self._pending: list[tuple[int, dict[str, str], "Future | None"]] = []  # (turn, fields given, judging)
+        self._judge_scores: list[dict[str, Any]] = []
+        self._judge_errors: list[str] = []
 
     @classmethod
     def close(cls) -> None:
-        """Closes every session of the pool (a later reset opens them again)."""
+        """Closes every session of the pool (a later reset opens them again) and stops the judge's
+        threads, where there is a judge."""
         cls._pool.close()
+        if cls._judge is not None:
+            cls._judge.close()
 
     @property
     def session_id(self) -> str:
@@ -119,6 +198,17 @@ class EnvServeEnvironment:
         """The latest StepResult (reward components, success, anchor...), or None before a reset."""
         return self._last
 
+    @property
+    def judge_scores(self) -> list[dict[str, Any]]:
+        """The last episode's judged turns (filled by get_reward): per turn `turn`, the `grounding`
+        and `world_modeling` scores given (None: no text, or judging failed) and its `reward`."""
+        return self._judge_scores
+
+    @property
+    def judge_errors(self) -> list[str]:
+        """Why judging failed for some of the last episode's texts (those turns earn 0)."""
+        return self._judge_errors
+
     def reset(self, **row) -> Observation:
         """Starts an episode from the dataset row's seed (or task_id, or split); returns what the model
         reads first."""
@@ -128,22 +218,57 @@ class EnvServeEnvironment:
         # opened again: a fresh session gives the same initial state for the same seed.
         result = self._session.reset(seed, str(row.get("task_id") or ""), str(row.get("split") or ""))
         self._return, self._done, self._last = 0.0, False, result
+        self._pending, self._judge_scores, self._judge_errors = [], [], []
         # The rules may describe text answers; the tools are how this session takes actions.
         text = (f"{self._rules}\nAct by calling the tools.\n\n{result.observation.text}" if self._rules
                 else result.observation.text)
         return _content(text, result)
 
     def get_reward(self) -> float:
-        """The episode's summed env reward (every component: task, format, invalid-action penalties)."""
-        return self._return
+        """The episode's summed env reward (every component: task, format, invalid-action penalties),
+        plus judge_weight times the mean judged reasoning reward per turn where a judge is set."""
+        if self._judge is None:
+            return self._return
+        if self._pending:
+            self._collect()
+        if not self._judge_scores:
+            return self._return
+        mean = sum(t["reward"] for t in self._judge_scores) / len(self._judge_scores)
+        return self._return + self._judge.weight * mean
 
-    def _step(self, action: str) -> Observation:
-        """One Step with `action` as the session's answer; what the model reads back."""
+    def _collect(self) -> None:
+        """Waits for the episode's judging; each turn's scores and reasoning reward into judge_scores."""
+        pending, self._pending = self._pending, []
+        for turn, given, future in pending:
+            scores: dict[str, float | None] = {field: None for field in JUDGED_FIELDS.values()}
+            if future is not None:
+                try:
+                    results = {r.key: r for r in future.result()}
+                except Exception as e:  # the judge is down, too slow, refused the call...
+                    self._judge_errors.append(f"turn {turn}: {type(e).__name__}: {e}")
+                    results = {}
+                for field in given:
+                    r = results.get(f"{turn}:{field}")
+                    if r is None:
+                        if future.exception() is None:
+                            self._judge_errors.append(f"turn {turn} {field}: no result")
+                    elif r.status.code != 0:
+                        self._judge_errors.append(f"turn {turn} {field}: {r.status.message}")
+                    else:
+                        scores[field] = float(r.score)
+            self._judge_scores.append({"turn": turn, **scores,
+                                       "reward": self._judge.reward(scores["grounding"], scores["world_modeling"])})
+
+    def _step(self, action: str, texts: Mapping[str, "str | None"] | None = None) -> Observation:
+        """One Step with `action` (and, with a judge, the observation/prediction texts) as the
+        session's answer; what the model reads back."""
         if not self._session.id:
             return "Error: the environment has not been reset."
         if self._done:
             return "The episode is over; no more actions are accepted."
-        outcome = self._session.step(plain_answer(self._action_format, [action], self._separator))
+        texts = {k: str(v) for k, v in (texts or {}).items() if v is not None}
+        before = self._last
+        outcome = self._session.step(fields_answer(self._action_format, [action], texts, self._separator))
         if outcome.error is not None:
             # A lost or expired session, or a replica gone, ends this rollout; the model is told, the
             # trainer goes on.
@@ -151,8 +276,28 @@ class EnvServeEnvironment:
             return error_text(outcome.error)
         result = self._last = outcome.result
         self._return += result.reward
+        if self._judge is not None:
+            self._submit(before.turn, result)
         self._done = result.done or result.truncated
         return _content(step_text(result), result)
+
+    def _submit(self, turn: int, result) -> None:
+        """Hands the texts the server parsed from this step (the turn answered is the observation's,
+        `turn`) to the judge in the background; get_reward collects the scores."""
+        tasks = []
+        for name in self._judged_fields:
+            text = result.reasoning.get(name, "")
+            if text and text != "-":    # "-": the placeholder of a text the model did not give
+                field = JUDGED_FIELDS[name]
+                tasks.append(JudgeTask(f"{turn}:{field}", self.session_id, turn, field, text,
+                                       episode=result.episode, env_id=self._env_id, trial=result.trial))
+        future = self._judge.submit(tasks) if tasks else None
+        self._pending.append((turn, {t.field: t.text for t in tasks}, future))
+
+    def _texts(self, observation, prediction) -> dict[str, str]:
+        """The judged fields' texts a tool was given (models may send other JSON types, or None)."""
+        given = {"observation": observation, "prediction": prediction}
+        return {k: str(given[k]) for k in self._judged_fields if given[k] not in (None, "")}
 
     def _one(self, action: str) -> "str | None":
         """Why a typed tool's argument is not one action, or None: a separator inside it would make
@@ -175,22 +320,45 @@ def _content(text: str, result) -> Observation:
 # the function itself (transformers' get_json_schema): real parameters with type hints, and a
 # docstring whose Args section describes each one; "(choices: [...])" becomes an enum.
 
-def _tools_for(spec, settings: Mapping[str, Any], mode: str) -> list[Callable]:
+def _tools_for(spec, settings: Mapping[str, Any], mode: str, judged: tuple[str, ...] = ()) -> list[Callable]:
     space = spec.action_space.strip()
     if mode == "auto":
         choices = action_choices(spec)
         if choices:
-            return [_move_tool(choices)]
+            return [_with_texts(_move_tool(choices), judged)]
         if is_cell_space(spec):
-            return [_reveal_tool()]
-    return [_act_tool(space, int(settings["max_actions_per_turn"]), str(settings["action_separator"]))]
+            return [_with_texts(_reveal_tool(), judged)]
+    return [_with_texts(_act_tool(space, int(settings["max_actions_per_turn"]), str(settings["action_separator"])),
+                        judged)]
+
+
+# The judged texts' descriptions in a tool's Args section (one line each: see _act_tool).
+_TEXT_ARGS = {
+    "observation": "observation: What you see now: where the things on the board are relative to you "
+                   "(e.g. 'The goal is below and to the right of the player.'). Judged against the true state.",
+    "prediction": "prediction: What you expect to see after this action, in the same words. Judged against "
+                  "the state that follows.",
+}
+
+
+def _with_texts(tool: Callable, judged: tuple[str, ...]) -> Callable:
+    """The tool's schema with the judged text parameters only (`observation`, `prediction`: every
+    builder's function takes both, optional), each described in the Args section; the texts the model
+    does not see in the schema are never sent, as the step writes only the judged fields."""
+    sig = inspect.signature(tool)
+    tool.__signature__ = sig.replace(parameters=[p for name, p in sig.parameters.items()
+                                                 if name not in JUDGED_FIELDS or name in judged])
+    tool.__annotations__ = {k: v for k, v in tool.__annotations__.items() if k not in JUDGED_FIELDS or k in judged}
+    lines = "".join(f"\n        {_TEXT_ARGS[name]}" for name in judged)
+    tool.__doc__ = tool.__doc__.replace("\n\n    Returns:", lines + "\n\n    Returns:", 1)
+    return tool
 
 
 def _move_tool(choices: list[str]) -> Callable:
-    def move(self, direction: str) -> Observation:
+    def move(self, direction: str, observation: str = "", prediction: str = "") -> Observation:
         direction = str(direction)  # models sometimes send other JSON types; the env judges the text
         why = self._one(direction)
-        return why if why else self._step(direction)
+        return why if why else self._step(direction, self._texts(observation, prediction))
 
     quoted = ", ".join(f'"{c}"' for c in choices)
     move.__doc__ = f"""Move one step in a direction.
@@ -205,12 +373,12 @@ def _move_tool(choices: list[str]) -> Callable:
 
 
 def _reveal_tool() -> Callable:
-    def reveal(self, row: int, col: int) -> Observation:
+    def reveal(self, row: int, col: int, observation: str = "", prediction: str = "") -> Observation:
         try:
             row, col = int(row), int(col)
         except (TypeError, ValueError):
             return f"Invalid action: row and col must be whole numbers, got {row!r} and {col!r}."
-        return self._step(f"({row}, {col})")
+        return self._step(f"({row}, {col})", self._texts(observation, prediction))
 
     reveal.__doc__ = """Reveal one hidden cell of the board.
 
@@ -225,9 +393,9 @@ def _reveal_tool() -> Callable:
 
 
 def _act_tool(space: str, max_actions: int, separator: str) -> Callable:
-    def act(self, action: str) -> Observation:
+    def act(self, action: str, observation: str = "", prediction: str = "") -> Observation:
         action = str(action)
-        return self._step(action) if action.strip() else "Invalid action: empty."
+        return self._step(action, self._texts(observation, prediction)) if action.strip() else "Invalid action: empty."
 
     several = (f" Up to {max_actions} actions may be given, separated by '{separator}'."
                if max_actions > 1 else "")
