@@ -37,7 +37,7 @@ def _server_args(p: argparse.ArgumentParser, default_port: int) -> None:
 
 
 def _config(args, env_ids):
-    from envserve.server.auth import read_tokens
+    from envserve.rpc.auth import read_tokens
     from envserve.server.config import ServerConfig
     return ServerConfig(env_ids=list(env_ids), host=args.host, port=args.port, workers=args.workers,
                         max_sessions=args.max_sessions, lease_seconds=args.lease_seconds,
@@ -122,7 +122,7 @@ def cmd_web(args) -> int:
             root = f.read()
     token = os.environ.get("ENVSERVE_MONITOR_TOKEN", "")
     if args.monitor_token_file:
-        from envserve.server.auth import read_tokens
+        from envserve.rpc.auth import read_tokens
         token = (read_tokens(args.monitor_token_file) or ("",))[0]
     app = create_app(directory_url=args.directory, replicas=args.replica, root_certificates=root,
                      use_external=args.external, monitor_token=token or None, timeout=args.timeout,
@@ -135,7 +135,7 @@ def cmd_web(args) -> int:
 def cmd_judge(args) -> int:
     """The JudgeService over the replicas of a directory or one fixed replica."""
     from envserve.judge.app import JudgeServer, JudgeServerConfig, run
-    from envserve.server.auth import read_tokens
+    from envserve.rpc.auth import read_tokens
     settings = JudgeServerConfig.read_file(args.config) if args.config else {}
     judges = dict(settings.get("judges") or {})
     for pair in args.judge:

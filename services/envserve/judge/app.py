@@ -25,8 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from envserve.server.app import server_credentials
-from envserve.server.auth import Authenticator
+from envserve.rpc.auth import Authenticator
+from envserve.rpc.tls import server_credentials
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
 
 from .base import Judge

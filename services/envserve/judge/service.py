@@ -20,9 +20,9 @@ import grpc
 from google.protobuf import json_format
 from prometheus_client import Counter, Histogram
 
-from envserve.server.auth import Authenticator, Denied
-from envserve.server.convert import code_number, to_struct
-from envserve.server.metrics import MetricsEndpoint
+from envserve.rpc.auth import Authenticator, Denied
+from envserve.rpc.metrics import MetricsEndpoint
+from envserve.rpc.values import code_number, to_struct
 from envserve.v1 import envserve_pb2 as pb
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
 

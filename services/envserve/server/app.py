@@ -6,7 +6,6 @@ import logging
 import signal
 import sys
 import time
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -17,6 +16,8 @@ from envserve.v1 import envserve_pb2 as pb
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
 
 from envserve.directory import Directory, DirectoryUnavailable, ReplicaInfo, open_directory
+
+from envserve.rpc.tls import server_credentials
 
 from .config import ServerConfig
 from .metrics import Metrics
@@ -161,16 +162,6 @@ class ReplicaServer:
 
     async def wait(self) -> None:
         await self._stopped.wait()
-
-
-def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
-    if not (config.tls_cert_file or config.tls_key_file):
-        return None
-    if not (config.tls_cert_file and config.tls_key_file):
-        raise ValueError("TLS needs both a certificate and a key file")
-    pair = (Path(config.tls_key_file).read_bytes(), Path(config.tls_cert_file).read_bytes())
-    ca = Path(config.tls_client_ca_file).read_bytes() if config.tls_client_ca_file else None
-    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
 
 async def serve_forever(config: ServerConfig, ready=None) -> None:

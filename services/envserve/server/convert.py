@@ -4,38 +4,12 @@ from __future__ import annotations
 import io
 import json
 
-import grpc
-from google.protobuf import struct_pb2
-
 from envserve.core.env import EnvSpec
 from envserve.core.session import TurnResult, full_spec
+from envserve.rpc.values import code_number, to_struct
 from envserve.v1 import envserve_pb2 as pb
 
 from . import wire
-
-CODES = {c.name: c.value[0] for c in grpc.StatusCode}
-
-
-def code_number(name: str) -> int:
-    return CODES.get(name, CODES["UNKNOWN"])
-
-
-def to_struct(data: dict) -> struct_pb2.Struct:
-    s = struct_pb2.Struct()
-    try:
-        s.update(data)
-    except (TypeError, ValueError):
-        # Tuples, numpy scalars and other values become plain JSON values first.
-        s.Clear()
-        s.update(json.loads(json.dumps(data, default=_json_default)))
-    return s
-
-
-def _json_default(o):
-    if hasattr(o, "tolist"):
-        return o.tolist()
-    return str(o)
-
 
 def png_bytes(array) -> bytes:
     from PIL import Image as PILImage

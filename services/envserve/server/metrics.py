@@ -4,8 +4,10 @@ from __future__ import annotations
 import bisect
 import threading
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import Counter, Gauge
 from prometheus_client.core import HistogramMetricFamily
+
+from envserve.rpc.metrics import MetricsEndpoint
 
 STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 
@@ -38,23 +40,6 @@ class StepLatency:
                 cumulative.append((bound, total))
             family.add_metric([env], cumulative, row[-1])
         yield family
-
-
-class MetricsEndpoint:
-    """A registry of its own and the HTTP endpoint Prometheus scrapes it on."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.server = None
-
-    def serve_http(self, host: str, port: int) -> int:
-        self.server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return self.server.server_port
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
 
 
 class Metrics(MetricsEndpoint):

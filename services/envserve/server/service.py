@@ -13,11 +13,12 @@ from google.protobuf import json_format
 from envserve.core.env import resolve_config
 from envserve.core.registry import get_env_class
 from envserve.core.session import full_spec
+from envserve.rpc.auth import Authenticator, Denied
+from envserve.rpc.values import code_number
 from envserve.v1 import envserve_pb2 as pb
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
 
 from . import convert
-from .auth import Authenticator, Denied
 from .config import ServerConfig
 from .metrics import Metrics
 from .pool import WorkerHandle, WorkerLost, WorkerPool
@@ -165,7 +166,7 @@ class Replica:
         for sid in ids:
             rec, code, message = self.lookup(sid, owner)
             if rec is None:
-                statuses.append(pb.ItemStatus(code=convert.code_number(code), message=message))
+                statuses.append(pb.ItemStatus(code=code_number(code), message=message))
                 if code == LOST:
                     self.lost.pop(sid, None)
                 continue
