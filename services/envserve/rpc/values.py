@@ -10,8 +10,16 @@ from google.protobuf import struct_pb2
 CODES = {c.name: c.value[0] for c in grpc.StatusCode}
 
 
+_BY_NUMBER = {number: grpc.StatusCode[name] for name, number in CODES.items()}
+
+
 def code_number(name: str) -> int:
     return CODES.get(name, CODES["UNKNOWN"])
+
+
+def status_code(number: int) -> grpc.StatusCode:
+    """The StatusCode of a per-item status's number (UNKNOWN for a number gRPC does not define)."""
+    return _BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
 
 
 def to_struct(data: dict) -> struct_pb2.Struct:

@@ -45,7 +45,6 @@ _CODE_OF_HTTP = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNA
                  405: grpc.StatusCode.UNIMPLEMENTED, 409: grpc.StatusCode.ABORTED,
                  413: grpc.StatusCode.RESOURCE_EXHAUSTED, 415: grpc.StatusCode.INVALID_ARGUMENT,
                  429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
-_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
 MAX_BODY_BYTES = 64 * 1024 * 1024  # as the replicas' max gRPC message
 
 

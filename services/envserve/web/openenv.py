@@ -49,6 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from envserve import __version__
 from envserve.client._requests import open_request, reset_item
 from envserve.directory import ReplicaInfo
+from envserve.rpc.values import status_code
 from envserve.v1 import envserve_pb2 as pb
 
 from .gateway import ApiError, Gateway
@@ -60,7 +61,6 @@ INVALID_JSON, UNKNOWN_TYPE, VALIDATION_ERROR = "INVALID_JSON", "UNKNOWN_TYPE", "
 EXECUTION_ERROR, CAPACITY_REACHED, FACTORY_ERROR, SESSION_ERROR = (
     "EXECUTION_ERROR", "CAPACITY_REACHED", "FACTORY_ERROR", "SESSION_ERROR")
 _SESSION_GONE = (grpc.StatusCode.NOT_FOUND.value[0], grpc.StatusCode.DATA_LOSS.value[0])
-_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
 ACTION_KEYS = ("message", "action", "text")  # where a generic OpenEnv client puts the action text
 
 
@@ -258,7 +258,7 @@ class OpenEnvSessions:
             raise _from_api(e) from None
         s.last_used = time.monotonic()
         if r.status.code:
-            status = _BY_NUMBER.get(r.status.code, grpc.StatusCode.UNKNOWN)
+            status = status_code(r.status.code)
             raise OpenEnvError(SESSION_ERROR if r.status.code in _SESSION_GONE else EXECUTION_ERROR,
                                r.status.message or status.name, status)
         return r
