@@ -104,14 +104,21 @@ def test_a_recorded_trajectory_s_turns_fork_from_one_reached_session(server):
             await ac.close_sessions([walked.session_id])
             points = prefix_points("sokoban", 5, walked.prefix, {"max_turns": 12}, "no_think")
             assert [len(p.prefix) for p in points] == [0, 1, 2, 3]
-            settings = MCSettings(rollouts_per_state=4, gamma=0.95)
-            forked = await estimate(ac, points, cycle_policy(), settings, by="fork")
-            replayed = await estimate(ac, points, cycle_policy(), settings, by="replay")
+            fresh = MCSettings(rollouts_per_state=4, gamma=0.95, reuse_sessions=False)
+            forked = await estimate(ac, points, cycle_policy(), fresh, by="fork")
+            replayed = await estimate(ac, points, cycle_policy(), fresh, by="replay")
             for f, r in zip(forked, replayed):
                 assert not f.failed and not r.failed
                 assert f.returns == pytest.approx(r.returns)
                 assert f.sessions_opened == 1 + 4 and r.sessions_opened == 4
                 assert r.env_steps - f.env_steps == (4 - 1) * len(f.point.prefix)
+            assert live_sessions(server.address, "sokoban") == []
+            # Reusing sessions (reset, then the prefix again): the same returns, and with room for
+            # one state at a time (5 < 2 x 4) the first state's 4 sessions serve all four states.
+            reused = await estimate(ac, points, cycle_policy(),
+                                    MCSettings(rollouts_per_state=4, gamma=0.95, max_alive=5), by="replay")
+            assert [v.returns for v in reused] == [pytest.approx(f.returns) for f in forked]
+            assert sum(v.sessions_opened for v in reused) == 4
             assert live_sessions(server.address, "sokoban") == []
     asyncio.run(main())
 

@@ -43,6 +43,10 @@ class MCSettings:
     gamma: float = 1.0               # discount of the returns (AgentPRM's Q-hat)
     horizon: int = 0                 # turns per rollout at most; 0: until the episode ends
     max_alive: int = 64              # rollout sessions open at once
+    # Replay (and reaching a point without a live session) resets sessions this estimate already
+    # opened instead of opening new ones, as a framework without Fork keeps its env pool; False:
+    # a fresh session per replayed rollout. Forks are always new sessions (that is what Fork is).
+    reuse_sessions: bool = True
 
     def __post_init__(self) -> None:
         if self.rollouts_per_state < 1:
@@ -79,7 +83,7 @@ class StateValue:
     point: StatePoint
     returns: list[float] = field(default_factory=list)   # one discounted return per finished rollout
     env_steps: int = 0                # steps this estimate cost, prefix replays included
-    sessions_opened: int = 0          # forks, replay sessions and reaching sessions
+    sessions_opened: int = 0          # sessions newly opened or forked for this state
     error: str = ""                   # why the estimate failed (a lost replica, a refused fork...)
 
     @property
@@ -178,6 +182,55 @@ class _Estimator:
     def __init__(self, client, policy: Policy, settings: MCSettings, by: str):
         self.client, self.policy, self.settings, self.by = client, policy, settings, by
         self.gate = _Gate(settings.max_alive)
+        # Sessions to reset and replay in, idle between chunks, by (env, config, format). The gate
+        # bounds the sessions in use; idle ones are evicted before anything new opens, so that
+        # in use + idle stays within max_alive.
+        self.idle: dict[tuple, list[str]] = {}
+
+    @staticmethod
+    def _key(point: StatePoint) -> tuple:
+        return point.env_id, repr(sorted(dict(point.config).items())), point.action_format
+
+    async def _take(self, point: StatePoint, k: int, out: StateValue) -> list[str]:
+        """k sessions for the point's env and settings: idle ones first, then new ones."""
+        if not self.settings.reuse_sessions:
+            sessions = await self._opening(self.client.open(point.env_id, k, dict(point.config), point.action_format))
+            out.sessions_opened += k
+            return sessions
+        idle = self.idle.setdefault(self._key(point), [])
+        sessions = [idle.pop() for _ in range(min(k, len(idle)))]
+        need = k - len(sessions)
+        if need:
+            try:
+                await self._make_room()
+                sessions += await self._opening(self.client.open(point.env_id, need, dict(point.config),
+                                                                 point.action_format))
+            except BaseException:
+                idle.extend(sessions)
+                raise
+            out.sessions_opened += need
+        return sessions
+
+    async def _make_room(self) -> None:
+        """Closes idle sessions until they fit in the gate's free places: in use (at most the
+        permits held) + idle then stays within max_alive when new sessions open."""
+        evict = []
+        for others in self.idle.values():
+            while others and sum(map(len, self.idle.values())) > self.gate.free:
+                evict.append(others.pop())
+        await self._close(evict)
+
+    async def _give_back(self, point: StatePoint, sessions: list[str], healthy: bool) -> None:
+        """Idle again after a chunk, or closed: a session that saw an error is not trusted again."""
+        if self.settings.reuse_sessions and healthy:
+            self.idle.setdefault(self._key(point), []).extend(sessions)
+        else:
+            await self._close(sessions)
+
+    async def close_idle(self) -> None:
+        sessions = [sid for idle in self.idle.values() for sid in idle]
+        self.idle.clear()
+        await self._close(sessions)
 
     async def state(self, point: StatePoint, m: int, first_action: str | None) -> StateValue:
         out = StateValue(point)
@@ -206,15 +259,14 @@ class _Estimator:
             out.error = _describe(e)
         finally:
             if reach and base:
-                await self._close([base])
+                await self._give_back(point, [base], healthy=not out.error)
             await self.gate.release(allotment)
         return out
 
     async def _reach(self, point: StatePoint, k: int, out: StateValue) -> tuple[list[str], list[pb.StepResult]]:
-        """k fresh sessions in the point's state: open, reset to its task, replay its prefix.
-        On failure they are closed here (the caller never saw their ids)."""
-        sessions = await self._opening(self.client.open(point.env_id, k, dict(point.config), point.action_format))
-        out.sessions_opened += k
+        """k sessions in the point's state: reset to its task, its prefix replayed. On failure
+        they are closed here (the caller never saw their ids)."""
+        sessions = await self._take(point, k, out)
         try:
             latest = await self.client.reset(sessions, seeds=[point.seed] * k, split=point.split)
             _raise_item_errors(latest, "reset")
@@ -223,12 +275,13 @@ class _Estimator:
                 out.env_steps += k
                 _raise_item_errors(latest, "prefix replay")
         except BaseException:
-            await self._close(sessions)
+            await self._give_back(point, sessions, healthy=False)
             raise
         return sessions, latest
 
     async def _fork_chunk(self, base: str, seen: pb.StepResult, k: int, first_action: str | None,
                           out: StateValue) -> list[float]:
+        await self._make_room()
         forks = await self._opening(self.client.fork(base, k))
         out.sessions_opened += len(forks)
         try:
@@ -245,10 +298,13 @@ class _Estimator:
 
     async def _replay_chunk(self, point: StatePoint, k: int, first_action: str | None, out: StateValue) -> list[float]:
         sessions, latest = await self._reach(point, k, out)
+        healthy = False
         try:
-            return await self._roll_out(sessions, latest, first_action, out)
+            returns = await self._roll_out(sessions, latest, first_action, out)
+            healthy = True
+            return returns
         finally:
-            await self._close(sessions)
+            await self._give_back(point, sessions, healthy)
 
     async def _roll_out(self, sessions: list[str], first: list[pb.StepResult], first_action: str | None,
                         out: StateValue) -> list[float]:
@@ -362,3 +418,5 @@ async def estimate(client: AsyncEnvClient, points: Sequence[StatePoint], policy:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+    finally:
+        await est.close_idle()
