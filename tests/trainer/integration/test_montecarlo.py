@@ -306,3 +306,30 @@ def test_a_replica_killed_mid_estimate_fails_its_states_only():
         a.kill()
         b.kill()
         redis_server.stop()
+
+
+def test_a_trainer_policy_backend_rolls_out_and_fork_and_replay_agree(server, grid_tokenizer):
+    """chat_policy over the trainer's HF backend (a tiny random model restricted to the four
+    moves), greedy so that the same observation gives the same move in a fork and a replay."""
+    from envserve_trainer.model import build_small_model
+    from envserve_trainer.policy.hf import HFPolicy
+    from envserve_trainer.process.montecarlo import chat_policy
+
+    tok = grid_tokenizer
+    ids = [tok.convert_tokens_to_ids(w) for w in MOVES]
+    model = HFPolicy(build_small_model(tok, "tiny", seed=1), tok, allowed_token_ids=ids)
+
+    async def main():
+        async with AsyncEnvClient(server.address) as ac:
+            points = await _points(ac, "frozenlake", range(3), depth=1, config={"max_turns": 8})
+            policy = chat_policy(model, "Move on the lake.", max_new_tokens=1, temperature=0.0,
+                                 response_prefix="<answer>", response_suffix="</answer>")
+            settings = MCSettings(rollouts_per_state=2, horizon=4)
+            forked = await estimate(ac, points, policy, settings, by="fork")
+            replayed = await estimate(ac, points, policy, settings, by="replay")
+            for f, r in zip(forked, replayed):
+                assert not f.failed and not r.failed and len(f.returns) == 2
+                assert f.returns == pytest.approx(r.returns)
+                assert f.env_steps > 0
+            await ac.close_sessions([p.session_id for p in points])
+    asyncio.run(main())
