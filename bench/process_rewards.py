@@ -1,11 +1,11 @@
 """Monte-Carlo Q-hat through Fork against replaying each prefix from a fresh reset (what a framework
 without Fork must do): same states, same rollout policy, same server, same run.
 
-States: `--states` (64) live sessions at depths spread over [0, --max-depth] of trajectories on
-`--states / 4` tasks (4 depths each): on ALFWorld (generated games, train split) the handcoded
-expert's trajectories (read from GetState's expert_action in sessions opened with expert: true),
-elsewhere random valid actions. The states to estimate are sessions without the expert, walked
-along those prefixes (not timed).
+States: `--states` (64; `--alfworld-states`, 8, on ALFWorld) live sessions at depths spread over
+[0, --max-depth] of trajectories on a quarter as many tasks (4 depths each): on ALFWorld
+(generated games, train split) the handcoded expert's trajectories (read from GetState's
+expert_action in sessions opened with expert: true), elsewhere random valid actions. The states
+to estimate are sessions without the expert, walked along those prefixes (not timed).
 
 Rollouts: `--rollouts` (8) per state of at most `--horizon` turns, random valid actions (a cheap
 policy, so what is measured is the environment and the service, not a model). Three ways, timed
@@ -20,11 +20,14 @@ fork_speedup = replay / fork wall time (issue 18's target on ALFWorld: >= 3x).
 
 ALFWorld keeps a game's state in the TextWorld engine, which cannot be copied: its Fork builds a
 new engine per fork (a process with isolation=process, the env's default; in the worker with
-isolation=none) and replays the prefix inside the worker. `--alfworld-isolation` picks which;
-the default run uses none, since a process per fork makes 64 x 8 take about 10 minutes here.
+isolation=none, where every engine leaves a 33 MB planner copy loaded, so a worker grows by
+gigabytes over 512 forks) and replays the prefix inside the worker. A new engine costs about
+2.5 CPU-seconds (start, load the game), so the default run takes 8 states there (64 forks, about
+4 minutes in all); 64 states is the issue's figure and takes about 25 minutes on 2 cores. At most
+`--max-alive` (32) rollout sessions are open at once either way, so replay reuses 32 sessions.
 
-    python bench/process_rewards.py --json                     # ALFWorld and Sokoban, 64 x 8
-    python bench/process_rewards.py --envs alfworld --alfworld-isolation process --states 16
+    python bench/process_rewards.py --json                     # ALFWorld 8 x 8, Sokoban 64 x 8
+    python bench/process_rewards.py --envs alfworld --alfworld-states 64 --json
 """
 from __future__ import annotations
 
@@ -85,7 +88,8 @@ async def trajectories(ac: AsyncEnvClient, env_id: str, seeds: list[int], length
 
 async def make_points(ac: AsyncEnvClient, env_id: str, args) -> list[StatePoint]:
     config = env_config(env_id, args)
-    games = max(1, args.states // 4)
+    n_states = args.alfworld_states if env_id == "alfworld" else args.states
+    games = max(1, n_states // 4)
     seeds = list(range(args.seed, args.seed + games))
     trajs = await trajectories(ac, env_id, seeds, args.max_depth + 1, config, random.Random(args.seed))
     # 4 depths per task over [0, max_depth], never the last state of a trajectory (it may be terminal).
@@ -93,7 +97,7 @@ async def make_points(ac: AsyncEnvClient, env_id: str, args) -> list[StatePoint]
     for seed, traj in zip(seeds, trajs):
         deepest = min(args.max_depth, max(0, len(traj) - 1))
         plan += [(seed, traj[:round(deepest * k / 3)]) for k in range(4)]
-    plan = plan[:args.states]
+    plan = plan[:n_states]
     ids = await ac.open(env_id, len(plan), config, FORMAT)
     results = await ac.reset(ids, seeds=[s for s, _ in plan])
     for turn in range(max(len(p) for _, p in plan)):
@@ -142,8 +146,9 @@ def main() -> int:
     ap.add_argument("--horizon", type=int, default=5, help="turns per rollout at most")
     ap.add_argument("--gamma", type=float, default=1.0)
     ap.add_argument("--max-depth", type=int, default=12, help="deepest state, in turns from the reset")
-    ap.add_argument("--max-alive", type=int, default=64, help="rollout sessions alive at once")
-    ap.add_argument("--alfworld-isolation", default="none", choices=("none", "process"))
+    ap.add_argument("--max-alive", type=int, default=32, help="rollout sessions alive at once (both ways)")
+    ap.add_argument("--alfworld-states", type=int, default=8, help="states on ALFWorld (--states elsewhere)")
+    ap.add_argument("--alfworld-isolation", default="process", choices=("process", "none"))
     ap.add_argument("--replay-fresh", action=argparse.BooleanOptionalAction, default=None,
                     help="also time replay with a new session per rollout (default: not on ALFWorld)")
     ap.add_argument("--workers", type=int, default=2)
@@ -153,7 +158,7 @@ def main() -> int:
     results = {}
     for env_id in args.envs.split(","):
         with ServerProcess([env_id], workers=args.workers, metrics=False,
-                           extra=["--max-sessions", str(2 * args.states + args.max_alive + 16)]) as server:
+                           extra=["--max-sessions", str(2 * max(args.states, args.alfworld_states) + args.max_alive + 16)]) as server:
             results[env_id] = asyncio.run(run_env(server.address, env_id, args))
     print("| env | way | s | env steps | sessions opened | Fork speed-up |\n|---|---|---|---|---|---|")
     for env_id, r in results.items():
@@ -163,7 +168,7 @@ def main() -> int:
                 print(f"| {env_id} | {name} | {r[name]['seconds']:.1f} | {r[name]['env_steps']} | "
                       f"{r[name]['sessions_opened']} | {ratio} |")
     if args.json:
-        print(json.dumps({"states": args.states, "rollouts": args.rollouts, "horizon": args.horizon,
+        print(json.dumps({"states": args.states, "alfworld_states": args.alfworld_states, "rollouts": args.rollouts, "horizon": args.horizon,
                           "max_depth": args.max_depth, "policy": "random valid actions",
                           "cpus": os.cpu_count(), **results}))
     return 0
