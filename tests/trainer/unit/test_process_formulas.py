@@ -1,4 +1,8 @@
-"""The process-reward formulas on hand-worked numbers (envserve_trainer.process.formulas)."""
+"""The process-reward methods' formulas (envserve_trainer.process) against numbers worked by hand.
+
+Every expected value is computed in a comment from the formula in the module's docstring, never by
+calling the function under test. sigma(x) = 1 / (1 + e^-x); -log sigma(x) = log(1 + e^-x).
+"""
 from __future__ import annotations
 
 import math
@@ -6,8 +10,134 @@ import math
 import pytest
 import torch
 
+from envserve_trainer.process import dpo
 from envserve_trainer.process import formulas as f
+from envserve_trainer.process.config import (AgentPRMConfig, ARPOConfig, DPOConfig, InversePRMConfig, IPRConfig,
+                                             ProgRMConfig, RROConfig)
+from envserve_trainer.process.dpo import ScoredTokens
 
+
+def softplus(x: float) -> float:
+    """-log sigma(-x) = log(1 + e^x)."""
+    return math.log1p(math.exp(x))
+
+
+def t(rows) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+# -- the DPO family -------------------------------------------------------------------------------------
+
+def test_dpo_loss_value_and_gradient_direction():
+    pc = torch.tensor([-1.0], requires_grad=True)
+    pr = torch.tensor([-2.0], requires_grad=True)
+    rc, rr = t([-1.5]), t([-1.5])
+    # margin m = (-1 + 1.5) - (-2 + 1.5) = 1; beta m = 0.1; -log sigma(0.1) = log(1 + e^-0.1).
+    assert float(dpo.dpo_margins(pc, pr, rc, rr, beta=0.1)) == pytest.approx(0.1)
+    loss = dpo.dpo_loss(pc, pr, rc, rr, beta=0.1)
+    assert float(loss) == pytest.approx(softplus(-0.1), rel=1e-6)
+    loss.backward()
+    # dL/dpi_w = -beta sigma(-beta m) = -0.1 / (1 + e^0.1) = -0.047502; dL/dpi_l = +0.047502.
+    g = 0.1 / (1 + math.exp(0.1))
+    assert pc.grad.item() == pytest.approx(-g, rel=1e-5) and pr.grad.item() == pytest.approx(g, rel=1e-5)
+
+
+def test_dpo_loss_of_no_pairs_is_zero_and_backpropagates():
+    empty = torch.zeros(0, requires_grad=True)
+    loss = dpo.dpo_loss(empty, empty, torch.zeros(0), torch.zeros(0))
+    assert float(loss) == 0.0
+    loss.backward()                                  # no NaN, no error
+
+
+def test_sequence_logprob_and_sft_respect_the_mask():
+    logp = t([[-1.0, -2.0, -3.0], [-0.5, -0.5, -0.5]])
+    mask = t([[1, 1, 0], [0, 0, 0]])
+    # Row 0: -1 - 2 = -3 (the -3 is masked out); row 1: nothing counts.
+    assert dpo.sequence_logprob(logp, mask).tolist() == pytest.approx([-3.0, 0.0])
+    # Token-mean NLL: (1 + 2) / 2 masked tokens = 1.5; no token at all gives 0.
+    assert float(dpo.sft_loss(logp, mask)) == pytest.approx(1.5)
+    assert float(dpo.sft_loss(logp, torch.zeros_like(mask))) == 0.0
+
+
+def _outcome_sides():
+    # Chosen: policy (-1, -2) -> -3; reference (-1.5, -2) -> -3.5. Rejected: policy (-2, -1, [-9 masked]) -> -3,
+    # reference (-1, -1.5, [-1 masked]) -> -2.5. m = (-3 + 3.5) - (-3 + 2.5) = 1.
+    chosen = ScoredTokens(t([[-1.0, -2.0, 0.0]]), t([[-1.5, -2.0, 0.0]]), t([[1, 1, 0]]))
+    rejected = ScoredTokens(t([[-2.0, -1.0, -9.0]]), t([[-1.0, -1.5, -1.0]]), t([[1, 1, 0]]))
+    return chosen, rejected
+
+
+def test_outcome_dpo_loss_masks_tokens():
+    chosen, rejected = _outcome_sides()
+    # beta 0.1: log(1 + e^-0.1). Counting the masked -9 and -1 would give m = 1 - (-9 + 1) = 9 instead.
+    assert float(dpo.outcome_dpo_loss(chosen, rejected, beta=0.1)) == pytest.approx(softplus(-0.1), rel=1e-6)
+
+
+def test_step_dpo_loss_scores_from_the_step_on():
+    # Identical prefix tokens (2 of them) cancel: m = (-0.5 + 1) - (-2 + 1) = 1.5 either way -> log(1 + e^-0.15).
+    chosen = ScoredTokens(t([[-1.0, -1.0, -0.5]]), t([[-1.2, -1.1, -1.0]]), t([[1, 1, 1]]))
+    rejected = ScoredTokens(t([[-1.0, -1.0, -2.0]]), t([[-1.2, -1.1, -1.0]]), t([[1, 1, 1]]))
+    expected = softplus(-0.15)
+    assert float(dpo.step_dpo_loss(chosen, rejected, [2], [2], beta=0.1)) == pytest.approx(expected, rel=1e-6)
+    assert float(dpo.outcome_dpo_loss(chosen, rejected, beta=0.1)) == pytest.approx(expected, rel=1e-6)
+    # A rejected row whose prefix differs: from step 2 on still m = 1.5; over whole rows the chosen's
+    # -2 - (-2.3) = 0.3 plus 0.5 = 0.8 and the rejected's (-6) - (-3.1) = -2.9 give m = 3.7 -> log(1 + e^-0.37).
+    other = ScoredTokens(t([[-3.0, -1.0, -2.0]]), t([[-1.0, -1.1, -1.0]]), t([[1, 1, 1]]))
+    assert float(dpo.step_dpo_loss(chosen, other, [2], [2], beta=0.1)) == pytest.approx(expected, rel=1e-6)
+    assert float(dpo.outcome_dpo_loss(chosen, other, beta=0.1)) == pytest.approx(softplus(-0.37), rel=1e-5)
+
+
+def _tiny_model(seed: int):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2Config(vocab_size=12, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    return transformers.Qwen2ForCausalLM(cfg).eval()
+
+
+def test_score_pairs_uses_the_learners_logprobs_and_action_masks():
+    from envserve_trainer.policy.hf import sequence_logprobs
+    model, reference = _tiny_model(0), _tiny_model(1)
+    prompts, chosen, rejected = [[1, 2, 3], [4, 5]], [[6, 7, 8], [9]], [[10, 11], [6, 7, 8, 9]]
+    # The second chosen row's only token and the rejected rows' second tokens are observations (mask 0).
+    c, r = dpo.score_pairs(model, reference, prompts, chosen, rejected, chosen_action_masks=[[1, 1, 1], [0]],
+                           rejected_action_masks=[[1, 0], [1, 0, 1, 1]], pad_token_id=0)
+    with torch.no_grad():
+        want_c, _ = sequence_logprobs(model, prompts, chosen, pad_token_id=0)
+        want_r_ref, _ = sequence_logprobs(reference, prompts, rejected, pad_token_id=0)
+    assert torch.allclose(c.policy[:, :3], want_c, atol=1e-5)
+    assert torch.allclose(r.reference[:, :4], want_r_ref, atol=1e-5)
+    assert c.mask.int().tolist() == [[1, 1, 1, 0], [0, 0, 0, 0]]
+    assert r.mask.int().tolist() == [[1, 0, 0, 0], [1, 0, 1, 1]]
+    assert c.policy.requires_grad and not r.reference.requires_grad
+    # The loss reaches the policy's weights only.
+    dpo.outcome_dpo_loss(c, r).backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    assert all(p.grad is None for p in reference.parameters())
+    with pytest.raises(ValueError):
+        dpo.score_pairs(model, reference, prompts, chosen, rejected, chosen_action_masks=[[1, 1], [1]])
+
+
+# -- configs --------------------------------------------------------------------------------------------
+
+def test_configs_build_from_mappings_and_refuse_bad_values():
+    assert IPRConfig.from_mapping({"beta": 0.2, "margin": 0.1}).beta == 0.2
+    assert RROConfig.from_mapping(None) == RROConfig()
+    assert DPOConfig().beta == IPRConfig().beta == RROConfig().beta        # one DPO temperature by default
+    with pytest.raises(ValueError, match="unknown"):
+        ARPOConfig.from_mapping({"alpah": 0.5})
+    with pytest.raises(ValueError):
+        AgentPRMConfig.from_mapping({"gamma": "high"})
+    bad = [lambda: ARPOConfig(initial_rollouts=20, total_rollouts=16), lambda: ARPOConfig(entropy_scale="bits"),
+           lambda: ProgRMConfig(cluster_by="kmeans"), lambda: ProgRMConfig(jaccard_threshold=1.5),
+           lambda: AgentPRMConfig(return_low=1.0, return_high=0.0), lambda: InversePRMConfig(gamma=1.2),
+           lambda: IPRConfig(margin=-0.1), lambda: RROConfig(max_candidates=0), lambda: DPOConfig(beta=0.0)]
+    for make in bad:
+        with pytest.raises(ValueError):
+            make()
+
+
+# -- formulas.py, until each method has its module ----------------------------------------------
 
 def test_lcs_and_the_recipe_of_a_cluster():
     a = ["go", "take", "go", "heat", "go", "put"]
@@ -40,17 +170,6 @@ def test_reward_rising_search_stops_at_the_second_candidate():
     assert (s.accepted, s.explored, s.best, s.worst) == (1, 2, 1, 0)
     none = f.reward_rising_search([0.1, 0.3, 0.05], previous=0.5, max_candidates=3)
     assert (none.accepted, none.explored, none.best, none.worst) == (None, 3, 1, 2)
-
-
-def test_dpo_loss_value_and_gradient_direction():
-    pc = torch.tensor([-1.0], requires_grad=True)
-    pr = torch.tensor([-2.0], requires_grad=True)
-    rc, rr = torch.tensor([-1.5]), torch.tensor([-1.5])
-    loss = f.dpo_loss(pc, pr, rc, rr, beta=0.1)
-    # margin = (-1 + 1.5) - (-2 + 1.5) = 1; -log sigma(0.1) = log(1 + e^-0.1)
-    assert float(loss) == pytest.approx(math.log(1 + math.exp(-0.1)), rel=1e-6)
-    loss.backward()
-    assert pc.grad.item() < 0 < pr.grad.item()    # raise the chosen, lower the rejected
 
 
 def test_sft_and_ipr_loss_add_up():
