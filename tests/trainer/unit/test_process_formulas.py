@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from envserve_trainer.process import dpo
+from envserve_trainer.process import agentprm, dpo, inverse_prm
 from envserve_trainer.process import formulas as f
 from envserve_trainer.process.config import (AgentPRMConfig, ARPOConfig, DPOConfig, InversePRMConfig, IPRConfig,
                                              ProgRMConfig, RROConfig)
@@ -24,6 +24,92 @@ def softplus(x: float) -> float:
 
 def t(rows) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.float32)
+
+
+# -- AgentPRM -------------------------------------------------------------------------------------------
+
+def test_q_hat_is_the_mean_discounted_return_over_visits():
+    # gamma 0.5. Trajectory A, rewards (0, 0, 1): G_2 = 1, G_1 = 0 + 0.5 * 1 = 0.5, G_0 = 0.5 * 0.5 = 0.25.
+    # Trajectory B, rewards (0, 1): G_1 = 1, G_0 = 0.5. (s0, a) is visited in both: (0.25 + 0.5) / 2.
+    q = agentprm.q_hat_targets([[0, 0, 1], [0, 1]], [["s0a", "s1b", "s2c"], ["s0a", "s3d"]], gamma=0.5)
+    assert q["s0a"] == agentprm.QHat(pytest.approx(0.375), 2)
+    assert q["s1b"] == agentprm.QHat(pytest.approx(0.5), 1)
+    assert q["s2c"].value == pytest.approx(1.0) and q["s3d"].value == pytest.approx(1.0)
+
+
+def test_q_hat_counts_revisits_within_a_trajectory_and_skips_unnamed_steps():
+    # Rewards (0, 0, 1), gamma 0.5, keys (x, x, None): x's returns 0.25 and 0.5 -> 0.375 over 2 visits;
+    # the last step has no key; an empty trajectory adds nothing.
+    q = agentprm.q_hat_targets([[0, 0, 1], []], [["x", "x", None], []], gamma=0.5)
+    assert q == {"x": agentprm.QHat(pytest.approx(0.375), 2)}
+    with pytest.raises(ValueError):
+        agentprm.q_hat_targets([[0, 1]], [["x"]])
+
+
+def test_bce_target_maps_returns_linearly_and_clips():
+    # (5 - 0) / (10 - 0) = 0.5; 12 and -1 fall outside [0, 10] and clip to 1 and 0.
+    assert agentprm.bce_target(5.0, 0.0, 10.0) == pytest.approx(0.5)
+    assert agentprm.bce_target(12.0, 0.0, 10.0) == 1.0
+    assert agentprm.bce_target(-1.0, 0.0, 10.0) == 0.0
+    # The defaults are a 0/1 outcome's range: 0.25 stays 0.25.
+    assert agentprm.bce_target(0.25) == pytest.approx(0.25)
+    with pytest.raises(ValueError):
+        agentprm.bce_target(0.5, 1.0, 1.0)
+
+
+def test_prm_bce_loss_values_mask_and_gradient():
+    # z = 0, y = 0.5: -(0.5 log 0.5 + 0.5 log 0.5) = ln 2. z = ln 3, y = 1: sigma(ln 3) = 3/4, -log(3/4) = ln(4/3).
+    logits = torch.tensor([0.0, math.log(3.0)], requires_grad=True)
+    targets = t([0.5, 1.0])
+    assert float(agentprm.prm_bce_loss(logits, targets)) == pytest.approx((math.log(2) + math.log(4 / 3)) / 2)
+    assert float(agentprm.prm_bce_loss(logits, targets, t([1, 0]))) == pytest.approx(math.log(2))
+    assert float(agentprm.prm_bce_loss(logits, targets, t([0, 0]))) == 0.0
+    # dL/dz = (sigma(z) - y) / 2 per entry: (0.5 - 0.5) / 2 = 0 and (0.75 - 1) / 2 = -0.125 (descent raises z).
+    agentprm.prm_bce_loss(logits, targets).backward()
+    assert logits.grad.tolist() == pytest.approx([0.0, -0.125])
+    with pytest.raises(ValueError):
+        agentprm.prm_bce_loss(torch.zeros(1), t([1.5]))
+
+
+def test_prm_step_rewards_are_the_heads_probability():
+    # sigma(0) = 0.5, sigma(ln 3) = 3/4, sigma(-ln 3) = 1/4.
+    r = agentprm.prm_step_rewards(t([0.0, math.log(3), -math.log(3)]))
+    assert r.tolist() == pytest.approx([0.5, 0.75, 0.25])
+
+
+# -- InversePRM -----------------------------------------------------------------------------------------
+
+def test_transition_logits_and_terminal_handling():
+    # gamma 0.5: z = 2 - 0.5 * 1 = 1.5; the second transition is terminal, so Q(s', a') counts as 0: z = 1.
+    z = inverse_prm.transition_logits(t([2.0, 1.0]), t([1.0, 3.0]), t([0, 1]), gamma=0.5)
+    assert z.tolist() == pytest.approx([1.5, 1.0])
+
+
+def test_inverse_prm_loss_expert_positive_policy_negative():
+    # Expert z = 1.5: -log sigma(1.5) = log(1 + e^-1.5). Policy z = 1 (terminal): -log(1 - sigma(1)) = log(1 + e^1).
+    loss = inverse_prm.inverse_prm_loss(t([2.0, 1.0]), t([1.0, 3.0]), torch.tensor([1, 0]), t([0, 1]), gamma=0.5)
+    assert float(loss) == pytest.approx(softplus(-1.5) + softplus(1.0), rel=1e-6)
+
+
+def test_inverse_prm_loss_averages_each_class_on_its_own():
+    # z = (2, 0, 0) (no next Q), one expert and two policy transitions:
+    # log(1 + e^-2) + mean(log 2, log 2) = log(1 + e^-2) + ln 2 (a pooled mean would give (log(1 + e^-2) + 2 ln 2) / 3).
+    q = t([2.0, 0.0, 0.0])
+    loss = inverse_prm.inverse_prm_loss(q, torch.zeros(3), torch.tensor([1, 0, 0]), gamma=0.99)
+    assert float(loss) == pytest.approx(softplus(-2.0) + math.log(2), rel=1e-6)
+    # Only experts: the policy term is absent, not NaN.
+    only = inverse_prm.inverse_prm_loss(t([2.0]), t([0.0]), torch.tensor([1]))
+    assert float(only) == pytest.approx(softplus(-2.0), rel=1e-6)
+
+
+def test_inverse_prm_gradient_raises_expert_q_and_lowers_policy_q():
+    q_sa = torch.tensor([0.0, 0.0], requires_grad=True)
+    q_next = torch.tensor([0.0, 0.0], requires_grad=True)
+    inverse_prm.inverse_prm_loss(q_sa, q_next, torch.tensor([1, 0]), gamma=0.5).backward()
+    # z = 0 for both. Expert: dL/dz = -(1 - sigma(0)) = -0.5; policy: dL/dz = sigma(0) = 0.5.
+    # dz/dQ(s,a) = 1, dz/dQ(s',a') = -gamma = -0.5.
+    assert q_sa.grad.tolist() == pytest.approx([-0.5, 0.5])
+    assert q_next.grad.tolist() == pytest.approx([0.25, -0.25])
 
 
 # -- the DPO family -------------------------------------------------------------------------------------
@@ -187,18 +273,6 @@ def test_ipr_step_pairs_by_mean_return():
     alternative = [[0.0, 0.0], [1.0, 1.0], [0.0, 1.0], [1.0]]
     assert f.ipr_step_pairs(expert, alternative) == [(0, "expert"), (1, "alternative")]   # step 2 ties
     assert f.ipr_step_pairs(expert, alternative, margin=1.0) == []
-
-
-def test_agentprm_targets_and_inverse_prm_loss():
-    assert f.q_hat({"s0a": [1.0, 3.0], "s1a": [], "s2b": [10.0]}) == {"s0a": 2.0, "s2b": 10.0}
-    assert f.q_target(5.0, 0.0, 10.0) == 0.5 and f.q_target(12.0) == 1.0 and f.q_target(-1.0) == 0.0
-    # expert transition: logit = 2 - 0.5 * 1 = 1.5; BCE = log(1 + e^-1.5)
-    loss = f.inverse_prm_loss(torch.tensor([2.0]), torch.tensor([1.0]), torch.tensor([1]), gamma=0.5)
-    assert float(loss) == pytest.approx(math.log(1 + math.exp(-1.5)), rel=1e-6)
-    # terminal: Q(s', a') counts as 0: logit 2
-    term = f.inverse_prm_loss(torch.tensor([2.0]), torch.tensor([1.0]), torch.tensor([1]), 0.5, torch.tensor([1]))
-    assert float(term) == pytest.approx(math.log(1 + math.exp(-2.0)), rel=1e-6)
-    assert float(f.prm_bce_loss(torch.tensor([0.0]), torch.tensor([0.5]))) == pytest.approx(math.log(2))
 
 
 def test_arpo_entropy_branching_and_budget():
