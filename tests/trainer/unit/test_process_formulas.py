@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from envserve_trainer.process import agentprm, dpo, inverse_prm
+from envserve_trainer.process import agentprm, dpo, inverse_prm, progrm
 from envserve_trainer.process import formulas as f
 from envserve_trainer.process.config import (AgentPRMConfig, ARPOConfig, DPOConfig, InversePRMConfig, IPRConfig,
                                              ProgRMConfig, RROConfig)
@@ -110,6 +110,97 @@ def test_inverse_prm_gradient_raises_expert_q_and_lowers_policy_q():
     # dz/dQ(s,a) = 1, dz/dQ(s',a') = -gamma = -0.5.
     assert q_sa.grad.tolist() == pytest.approx([-0.5, 0.5])
     assert q_next.grad.tolist() == pytest.approx([0.25, -0.25])
+
+
+# -- ProgRM ---------------------------------------------------------------------------------------------
+
+HEAT_EGG = [
+    ["go fridge", "open fridge", "take egg", "go microwave", "heat egg", "go table", "put egg"],
+    ["look", "go fridge", "take egg", "go microwave", "heat egg", "put egg"],
+    ["go fridge", "take egg", "inventory", "go microwave", "heat egg", "go table", "put egg"],
+]
+
+
+def test_lcs_of_two_sequences_and_its_tie_rule():
+    a = ["go", "take", "go", "heat", "go", "put"]
+    b = ["look", "go", "take", "go", "cool", "heat", "go", "put"]
+    assert progrm.lcs(a, b) == a                      # every step of a appears in b in order
+    assert progrm.lcs(a, ["x", "y"]) == [] and progrm.lcs([], b) == []
+    # (x, y) against (y, x): two LCSs of length 1; an element of a is skipped first, so b's y is matched.
+    assert progrm.lcs(["x", "y"], ["y", "x"]) == ["y"]
+
+
+def test_recipe_of_a_cluster_is_the_folded_lcs():
+    # LCS(s1, s2): s2's look is not in s1, open fridge and go table are not in s2 in order ->
+    # (go fridge, take egg, go microwave, heat egg, put egg); all five appear in s3 in order.
+    assert progrm.recipe(HEAT_EGG) == ["go fridge", "take egg", "go microwave", "heat egg", "put egg"]
+    assert progrm.recipe([]) == []
+    assert progrm.recipe([["a", "b"]]) == ["a", "b"]
+
+
+def test_labels_and_progress_rewards_of_a_seven_step_trajectory():
+    key = progrm.recipe(HEAT_EGG)                      # |L| = 5
+    actions = ["look", "go fridge", "take egg", "go table", "go microwave", "look", "heat egg"]
+    # Key steps met at t = 1, 2, 4, 6 (0-based) -> 1/5, 2/5, 3/5, 4/5; others carry the last label:
+    # 0, 0.2, 0.4, 0.4, 0.6, 0.6, 0.8 (the egg is never put: progress stops at 4/5).
+    labels = progrm.progress_labels(actions, key)
+    assert labels == pytest.approx([0.0, 0.2, 0.4, 0.4, 0.6, 0.6, 0.8])
+    # r_t = Prog(s_t) - Prog(s_{t-1}), Prog(s_0) = 0: 0, .2, .2, 0, .2, 0, .2; they sum to the last label.
+    rewards = progrm.progress_rewards(labels)
+    assert rewards == pytest.approx([0.0, 0.2, 0.2, 0.0, 0.2, 0.0, 0.2])
+    assert sum(rewards) == pytest.approx(labels[-1])
+    # A member of the cluster covers its recipe: its last label is 1.
+    assert progrm.progress_labels(HEAT_EGG[1], key)[-1] == pytest.approx(1.0)
+
+
+def test_labels_follow_the_lcs_alignment_and_empty_recipes():
+    key = ["take", "heat", "put"]
+    # (take, put, heat): the LCS has 2 of 3 key steps; take -> 1/3, then put is aligned (b matched early)
+    # -> 2/3, and heat, out of order, adds nothing.
+    assert progrm.progress_labels(["take", "put", "heat"], key) == pytest.approx([1 / 3, 2 / 3, 2 / 3])
+    assert progrm.progress_labels(["look", "look"], []) == [0.0, 0.0]
+    assert progrm.progress_labels([], key) == []
+
+
+def test_cluster_by_key_in_order_of_first_appearance():
+    assert progrm.cluster_by_key(["a", "b", "a", "c"]) == [[0, 2], [1], [3]]
+    assert progrm.cluster_by_key([]) == []
+
+
+def test_cluster_by_jaccard_threshold_is_inclusive():
+    seqs = [["take", "heat", "put"], ["take", "heat", "put", "look"], ["take", "cool", "put"], ["go", "open"]]
+    # J(1, 0) = 3/4. J(2, 0) = |{take, put}| / |{take, heat, put, cool}| = 2/4; J(2, 1) = 2/5. J(3, .) = 0.
+    assert progrm.cluster_by_jaccard(seqs, threshold=0.6) == [[0, 1], [2], [3]]
+    assert progrm.cluster_by_jaccard(seqs, threshold=0.5) == [[0, 1, 2], [3]]     # 2/4 >= 0.5 joins
+    assert progrm.cluster_by_jaccard([], 0.5) == []
+
+
+def test_cluster_recipes_skip_small_and_empty_clusters():
+    seqs = HEAT_EGG + [["go garden"], ["x", "y"], ["y", "z"], ["p"], ["q"]]
+    clusters = [[0, 1, 2], [3], [4, 5], [6, 7]]
+    # [3] is below min size 2; LCS(x y, y z) = (y); LCS(p, q) is empty, so no recipe.
+    assert progrm.cluster_recipes(seqs, clusters, min_cluster_size=2) == [progrm.recipe(HEAT_EGG), ["y"]]
+    assert progrm.cluster_recipes(seqs, [], 2) == []
+
+
+def test_best_recipe_by_covered_fraction():
+    recipes = [["take", "cool", "put"], ["take", "heat", "put"]]
+    assert progrm.best_recipe(["go", "take", "heat", "go", "put"], recipes) == 1      # 3/3 against 2/3
+    assert progrm.best_recipe(["a"], [["a", "b"], ["a", "c"]]) == 0                     # 1/2 each: the first
+    assert progrm.best_recipe(["z"], recipes) is None                                  # nothing in common
+    assert progrm.best_recipe(["take"], []) is None and progrm.best_recipe(["take"], [[]]) is None
+
+
+def test_progress_bce_is_smallest_at_the_labels():
+    # Logits ln(1/4) and ln(2/3) give sigma = 0.2 and 0.4, the labels: dL/dz = (sigma - y) / 2 = 0, and the
+    # loss is the labels' mean entropy: (H(0.2) + H(0.4)) / 2, H(p) = -(p ln p + (1 - p) ln(1 - p)).
+    logits = torch.tensor([math.log(0.25), math.log(2 / 3)], requires_grad=True)
+    labels = t([0.2, 0.4])
+    loss = progrm.progress_bce_loss(logits, labels)
+    h = lambda p: -(p * math.log(p) + (1 - p) * math.log(1 - p))  # noqa: E731
+    assert float(loss) == pytest.approx((h(0.2) + h(0.4)) / 2, rel=1e-6)
+    loss.backward()
+    assert logits.grad.abs().max() < 1e-6
 
 
 # -- the DPO family -------------------------------------------------------------------------------------
@@ -224,31 +315,6 @@ def test_configs_build_from_mappings_and_refuse_bad_values():
 
 
 # -- formulas.py, until each method has its module ----------------------------------------------
-
-def test_lcs_and_the_recipe_of_a_cluster():
-    a = ["go", "take", "go", "heat", "go", "put"]
-    b = ["look", "go", "take", "go", "cool", "heat", "go", "put"]
-    assert f.lcs(a, b) == a                      # every step of a appears in b in order
-    assert f.recipe([a, b, ["take", "heat", "put", "look"]]) == ["take", "heat", "put"]
-    assert f.recipe([]) == []
-
-
-def test_progress_labels_of_a_seven_step_trajectory():
-    key = ["take", "heat", "put"]                # |L| = 3
-    actions = ["look", "take", "go", "heat", "look", "put", "look"]
-    # key step k done -> k/3, carried forward: 0, 1/3, 1/3, 2/3, 2/3, 1, 1
-    labels = f.progress_labels(actions, key)
-    assert labels == pytest.approx([0, 1 / 3, 1 / 3, 2 / 3, 2 / 3, 1, 1])
-    # r_t = Prog(s_t) - Prog(s_{t-1})
-    assert f.progress_rewards(labels) == pytest.approx([0, 1 / 3, 0, 1 / 3, 0, 1 / 3, 0])
-    # out of order key steps do not count: put before heat
-    assert f.progress_labels(["take", "put", "heat"], key) == pytest.approx([1 / 3, 1 / 3, 2 / 3])
-
-
-def test_best_recipe_is_the_one_most_covered():
-    recipes = [["take", "cool", "put"], ["take", "heat", "put"]]
-    assert f.best_recipe(["go", "take", "heat", "go", "put"], recipes) == 1   # 3/3 against 2/3
-
 
 def test_reward_rising_search_stops_at_the_second_candidate():
     s = f.reward_rising_search([0.2, 0.6, 0.9], previous=0.5)
