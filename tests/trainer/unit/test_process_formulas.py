@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from envserve_trainer.process import agentprm, dpo, inverse_prm, progrm
+from envserve_trainer.process import agentprm, dpo, inverse_prm, ipr, progrm, rro
 from envserve_trainer.process import formulas as f
 from envserve_trainer.process.config import (AgentPRMConfig, ARPOConfig, DPOConfig, InversePRMConfig, IPRConfig,
                                              ProgRMConfig, RROConfig)
@@ -295,6 +295,96 @@ def test_score_pairs_uses_the_learners_logprobs_and_action_masks():
         dpo.score_pairs(model, reference, prompts, chosen, rejected, chosen_action_masks=[[1, 1], [1]])
 
 
+# -- IPR ------------------------------------------------------------------------------------------------
+
+EXPERT = [[1.0, 1.0], [0.0, 0.0], [1.0, 0.0], [], [1.0, 0.5]]
+ALTERNATIVE = [[0.0, 0.5], [1.0, 1.0], [0.0, 1.0], [1.0], [0.5, 0.0]]
+
+
+def test_ipr_step_pairs_from_mean_returns():
+    # t0: 1 vs 0.25 -> expert by 0.75; the expert's best rollout (1, 1: first) and the alternative's worst (0: #0).
+    # t1: 0 vs 1: the alternative wins, not kept by IPR. t2: 0.5 vs 0.5, a tie. t3: no expert rollout.
+    # t4: 0.75 vs 0.25 -> expert by 0.5; best expert rollout #0 (1.0), worst alternative #1 (0.0).
+    assert ipr.ipr_step_pairs(EXPERT, ALTERNATIVE) == [ipr.StepPair(0, "expert", pytest.approx(0.75), 0, 0),
+                                                       ipr.StepPair(4, "expert", pytest.approx(0.5), 0, 1)]
+
+
+def test_ipr_step_pairs_margin_and_both_directions():
+    # A margin of 0.5 keeps 0.75 and drops 0.5 (the gap must exceed it).
+    assert [p.step for p in ipr.ipr_step_pairs(EXPERT, ALTERNATIVE, margin=0.5)] == [0]
+    both = ipr.ipr_step_pairs(EXPERT, ALTERNATIVE, both_directions=True)
+    assert [(p.step, p.chosen, p.rejected) for p in both] == [
+        (0, "expert", "alternative"), (1, "alternative", "expert"), (4, "expert", "alternative")]
+    assert ipr.ipr_step_pairs([[1.0]], [[1.0]]) == []                 # all-success: no pair
+    assert ipr.ipr_step_pairs([], []) == []
+    with pytest.raises(ValueError):
+        ipr.ipr_step_pairs([[1.0]], [])
+
+
+def test_ipr_loss_adds_outcome_step_and_sft_terms():
+    outcome = _outcome_sides()                                          # log(1 + e^-0.1), see above
+    zero = ScoredTokens(t([[-1.0]]), t([[-1.0]]), t([[1]]))             # margin 0: log 2
+    sft = (t([[-1.0, -2.0, -3.0]]), t([[1, 1, 0]]))                     # (1 + 2) / 2 = 1.5
+    out = ipr.ipr_loss(outcome, (zero, zero, [0], [0]), sft, beta=0.1, outcome_weight=1.0, step_weight=2.0,
+                       sft_weight=0.5)
+    # 1 * log(1 + e^-0.1) + 2 * ln 2 + 0.5 * 1.5
+    assert float(out.total) == pytest.approx(softplus(-0.1) + 2 * math.log(2) + 0.75, rel=1e-6)
+    assert float(out.sft) == pytest.approx(1.5) and float(out.step) == pytest.approx(math.log(2))
+
+
+def test_ipr_loss_without_pairs_is_the_sft_term_and_nothing_is_an_error():
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    out = ipr.ipr_loss(None, None, (logp, t([[1, 1]])))
+    assert float(out.total) == pytest.approx(1.5) and float(out.outcome) == 0.0
+    out.total.backward()
+    assert logp.grad[0].tolist() == pytest.approx([-0.5, -0.5])       # d(-mean)/dlogp = -1/2 each
+    with pytest.raises(ValueError):
+        ipr.ipr_loss(None, None, None)
+
+
+# -- RRO ------------------------------------------------------------------------------------------------
+
+def test_process_reward_is_the_mean_outcome():
+    assert rro.process_reward([1.0, 0.0, 1.0, 1.0]) == pytest.approx(0.75)
+    with pytest.raises(ValueError):
+        rro.process_reward([])
+
+
+def test_reward_rising_search_stops_at_the_second_candidate():
+    pulled = []
+
+    def candidates():                       # samples (and would roll out) a candidate only when asked
+        for r in (0.2, 0.6, 0.9):
+            pulled.append(r)
+            yield r
+
+    s = rro.reward_rising_search(candidates(), previous=0.5, max_candidates=8)
+    # 0.2 < 0.5 goes on; 0.6 >= 0.5 stops: 2 explored, the third never sampled. Best 0.6 (#1), worst 0.2 (#0).
+    assert (s.accepted, s.explored, s.best, s.worst, s.chosen, s.pair) == (1, 2, 1, 0, 1, (1, 0))
+    assert pulled == [0.2, 0.6]
+
+
+def test_reward_rising_search_cap_ties_and_single_candidate():
+    # No candidate reaches 0.5 within the cap of 3 (the 0.9 is never looked at): best 0.3 (#1) continues,
+    # the pair is (best 0.3, worst 0.05).
+    capped = rro.reward_rising_search([0.1, 0.3, 0.05, 0.9], previous=0.5, max_candidates=3)
+    assert (capped.accepted, capped.explored, capped.chosen, capped.pair) == (None, 3, 1, (1, 2))
+    # The first candidate rises (equal counts as rising): one explored, no preference, no pair.
+    first = rro.reward_rising_search([0.5], previous=0.5)
+    assert (first.accepted, first.explored, first.pair) == (0, 1, None)
+    # Tied candidates give no pair either.
+    tied = rro.reward_rising_search([0.3, 0.3], previous=0.5, max_candidates=2)
+    assert (tied.accepted, tied.best, tied.worst, tied.pair) == (None, 0, 0, None)
+    with pytest.raises(ValueError):
+        rro.reward_rising_search([], previous=0.0)
+
+
+def test_mean_candidates_explored_per_step():
+    searches = [rro.reward_rising_search(r, previous=0.5) for r in ([0.2, 0.6], [0.7], [0.1, 0.2, 0.8])]
+    assert rro.mean_explored(searches) == pytest.approx((2 + 1 + 3) / 3)
+    assert rro.mean_explored([]) == 0.0
+
+
 # -- configs --------------------------------------------------------------------------------------------
 
 def test_configs_build_from_mappings_and_refuse_bad_values():
@@ -315,31 +405,6 @@ def test_configs_build_from_mappings_and_refuse_bad_values():
 
 
 # -- formulas.py, until each method has its module ----------------------------------------------
-
-def test_reward_rising_search_stops_at_the_second_candidate():
-    s = f.reward_rising_search([0.2, 0.6, 0.9], previous=0.5)
-    # 0.2 < 0.5 goes on; 0.6 >= 0.5 stops: 2 explored; best so far 0.6 (index 1), worst 0.2 (index 0)
-    assert (s.accepted, s.explored, s.best, s.worst) == (1, 2, 1, 0)
-    none = f.reward_rising_search([0.1, 0.3, 0.05], previous=0.5, max_candidates=3)
-    assert (none.accepted, none.explored, none.best, none.worst) == (None, 3, 1, 2)
-
-
-def test_sft_and_ipr_loss_add_up():
-    logp = torch.tensor([[-1.0, -2.0, -3.0]])
-    mask = torch.tensor([[1.0, 1.0, 0.0]])
-    assert float(f.sft_loss(logp, mask)) == pytest.approx(1.5)       # (1 + 2) / 2
-    assert float(f.sequence_logprob(logp, mask)[0]) == pytest.approx(-3.0)
-    zero = (torch.zeros(1),) * 4                                       # margin 0: log 2 each
-    total = f.ipr_loss(zero, zero, logp, mask, beta=0.1, weights=(1.0, 2.0, 0.5))
-    assert float(total) == pytest.approx(math.log(2) * 3 + 0.75)
-
-
-def test_ipr_step_pairs_by_mean_return():
-    expert = [[1.0, 1.0], [0.0, 0.0], [1.0, 0.0], []]
-    alternative = [[0.0, 0.0], [1.0, 1.0], [0.0, 1.0], [1.0]]
-    assert f.ipr_step_pairs(expert, alternative) == [(0, "expert"), (1, "alternative")]   # step 2 ties
-    assert f.ipr_step_pairs(expert, alternative, margin=1.0) == []
-
 
 def test_arpo_entropy_branching_and_budget():
     uniform = torch.zeros(3, 4)                    # 4 equally likely tokens: ln 4 nats
