@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from envserve_trainer.process import agentprm, dpo, inverse_prm, ipr, progrm, rro
+from envserve_trainer.advantages import grpo_advantages
+from envserve_trainer.process import agentprm, arpo, dpo, inverse_prm, ipr, progrm, rro
 from envserve_trainer.process import formulas as f
 from envserve_trainer.process.config import (AgentPRMConfig, ARPOConfig, DPOConfig, InversePRMConfig, IPRConfig,
                                              ProgRMConfig, RROConfig)
@@ -385,6 +387,86 @@ def test_mean_candidates_explored_per_step():
     assert rro.mean_explored([]) == 0.0
 
 
+# -- ARPO -----------------------------------------------------------------------------------------------
+
+def test_token_entropy_uniform_peaked_and_worked():
+    assert arpo.token_entropy(torch.zeros(2, 4)).tolist() == pytest.approx([math.log(4)] * 2)   # uniform: ln 4
+    assert float(arpo.token_entropy(t([50.0, 0.0, 0.0, 0.0]))) < 1e-6                          # peaked: ~0
+    # Logits (ln 2, 0, 0) -> p = (1/2, 1/4, 1/4): H = 1/2 ln 2 + 2 * 1/4 ln 4 = 1.5 ln 2.
+    assert float(arpo.token_entropy(t([math.log(2), 0.0, 0.0]))) == pytest.approx(1.5 * math.log(2), rel=1e-6)
+
+
+def test_window_entropy_over_the_first_k_tokens():
+    e = t([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 0.0, 0.0]])
+    # k = 3: (1 + 2 + 3) / 3 = 2; the second row has only 2 tokens: (5 + 6) / 2 = 5.5.
+    assert arpo.window_entropy(e, t([[1, 1, 1, 1], [1, 1, 0, 0]]), k=3).tolist() == pytest.approx([2.0, 5.5])
+    # The first token masked out: the first 3 counted are 2, 3, 4 -> 3. A row of nothing gives 0.
+    assert arpo.window_entropy(e, t([[0, 1, 1, 1], [0, 0, 0, 0]]), k=3).tolist() == pytest.approx([3.0, 0.0])
+    assert float(arpo.window_entropy(t([1.0, 3.0, 8.0]), k=2)) == pytest.approx(2.0)
+
+
+def test_branching_decision_at_the_notes_defaults():
+    cfg = ARPOConfig()
+    assert (cfg.alpha, cfg.beta, cfg.threshold) == (0.5, 0.2, 0.5)
+    # H = 2, H_0 = 1, |V| = 4: dH = 1 / ln 4 = 0.7213; P = 0.5 + 0.2 * 0.7213 = 0.6443 > 0.5: branch.
+    dh = arpo.entropy_change(2.0, 1.0, vocab_size=4)
+    assert dh == pytest.approx(1 / math.log(4))
+    assert arpo.branching_score(dh) == pytest.approx(0.5 + 0.2 / math.log(4))
+    assert arpo.should_branch(dh) is True
+    # Entropy falls (0.5 against 1): P < 0.5; unchanged: P = 0.5, not above the threshold.
+    assert arpo.should_branch(arpo.entropy_change(0.5, 1.0, vocab_size=4)) is False
+    assert arpo.should_branch(arpo.entropy_change(1.0, 1.0, vocab_size=4)) is False
+
+
+def test_branching_with_alpha_below_the_threshold_needs_a_large_rise():
+    # Raw nats, alpha 0.4: dH 0.4 -> 0.4 + 0.08 = 0.48 <= 0.5; dH 0.6 -> 0.52 > 0.5.
+    assert arpo.entropy_change(1.4, 1.0, scale="none") == pytest.approx(0.4)
+    assert arpo.should_branch(0.4, alpha=0.4, beta=0.2, threshold=0.5) is False
+    assert arpo.should_branch(0.6, alpha=0.4, beta=0.2, threshold=0.5) is True
+    with pytest.raises(ValueError):
+        arpo.entropy_change(1.0, 0.5, vocab_size=None)
+
+
+def test_branch_plan_splits_the_budget():
+    # M = 16, N = 8: 8 to branch, Z = 3 at each branching point in order: 3, 0, 3, then 2 left, then 0.
+    plan = arpo.branch_plan([True, False, True, True, True], total=16, initial=8, branches=3)
+    assert plan == arpo.BranchPlan(8, (3, 0, 3, 2, 0), 0) and plan.total == 16
+    # One branching point: 3 branched, M - N - 3 = 5 independent rollouts; none: all 8 independent.
+    assert arpo.branch_plan([True], 16, 8, 3) == arpo.BranchPlan(8, (3,), 5)
+    assert arpo.branch_plan([], 16, 8, 3) == arpo.BranchPlan(8, (), 8)
+    with pytest.raises(ValueError):
+        arpo.branch_plan([True], total=4, initial=0)
+
+
+def test_soft_advantage_of_two_branches_sharing_five_tokens():
+    # Returns 1 and 0: GRPO with the sample std, mean 0.5, s = sqrt(2 * 0.25 / 1) = 1/sqrt(2): A = +-1/sqrt(2).
+    a = grpo_advantages([1.0, 0.0])
+    r2 = 1 / math.sqrt(2)
+    assert a.tolist() == pytest.approx([r2, -r2], rel=1e-5)
+    rows = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 9, 10]]          # 5 shared tokens, then 3 and 2 own
+    soft = arpo.shared_prefix_advantages(rows, a, mode="soft")
+    assert soft[0].tolist() == pytest.approx([r2] * 8, rel=1e-5)
+    assert soft[1].tolist() == pytest.approx([-r2] * 7, rel=1e-5)
+    # Summed over the two rows, each shared token receives r2 - r2 = 0 = 2 x the branches' mean advantage.
+    assert (soft[0][:5] + soft[1][:5]).tolist() == pytest.approx([0.0] * 5, abs=1e-9)
+    hard = arpo.shared_prefix_advantages(rows, a, mode="hard")
+    # Hard: the shared tokens are given the mean (0) explicitly; own tokens keep +-1/sqrt(2).
+    assert hard[0].tolist() == pytest.approx([0.0] * 5 + [r2] * 3, rel=1e-5, abs=1e-9)
+    assert hard[1].tolist() == pytest.approx([0.0] * 5 + [-r2] * 2, rel=1e-5, abs=1e-9)
+    # Both give every shared token the same summed advantage.
+    assert np.allclose(soft[0][:5] + soft[1][:5], hard[0][:5] + hard[1][:5])
+
+
+def test_hard_advantage_over_a_two_level_tree():
+    # Rows (1 2 3), (1 2 4), (1 5) with A = 3, 0, -3. Node (1): all three, mean 0. Node (1 2): rows 0 and 1,
+    # mean 1.5. Leaves keep their own A.
+    out = arpo.shared_prefix_advantages([[1, 2, 3], [1, 2, 4], [1, 5]], [3.0, 0.0, -3.0], mode="hard")
+    assert [o.tolist() for o in out] == [[0.0, 1.5, 3.0], [0.0, 1.5, 0.0], [0.0, -3.0]]
+    assert arpo.shared_prefix_advantages([[]], [1.0], mode="hard")[0].size == 0
+    with pytest.raises(ValueError):
+        arpo.shared_prefix_advantages([[1]], [1.0], mode="mean")
+
+
 # -- configs --------------------------------------------------------------------------------------------
 
 def test_configs_build_from_mappings_and_refuse_bad_values():
@@ -402,27 +484,3 @@ def test_configs_build_from_mappings_and_refuse_bad_values():
     for make in bad:
         with pytest.raises(ValueError):
             make()
-
-
-# -- formulas.py, until each method has its module ----------------------------------------------
-
-def test_arpo_entropy_branching_and_budget():
-    uniform = torch.zeros(3, 4)                    # 4 equally likely tokens: ln 4 nats
-    assert f.token_entropy(uniform, k=2) == pytest.approx(math.log(4))
-    peaked = torch.tensor([[50.0, 0.0, 0.0, 0.0]])
-    assert f.token_entropy(peaked) < 1e-6
-    # dH = (1.2 - 1.0) / 1.0 = 0.2: 0.5 + 0.2 * 0.2 = 0.54 > 0.5
-    assert f.should_branch(1.2, 1.0) is True
-    # dH = -0.1: 0.48 <= 0.5
-    assert f.should_branch(0.9, 1.0) is False
-    assert f.split_budget(16, 4) == (4, 12)
-    with pytest.raises(ValueError):
-        f.split_budget(4, 0)
-
-
-def test_soft_advantage_of_two_branches_sharing_five_tokens():
-    adv = f.soft_advantages([1.0, 0.0])            # mean 0.5, std 0.5: +1 and -1
-    assert adv == pytest.approx([1.0, -1.0], abs=1e-5)
-    tokens = f.shared_prefix_token_advantages(adv, lengths=[8, 7], shared=5)
-    # 5 shared tokens: the mean (0); branch 1's 3 own tokens +1; branch 2's 2 own tokens -1
-    assert tokens == pytest.approx([0, 0, 0, 0, 0, 1, 1, 1, -1, -1], abs=1e-5)
