@@ -13,7 +13,6 @@ import torch
 
 from envserve_trainer.advantages import grpo_advantages
 from envserve_trainer.process import agentprm, arpo, dpo, inverse_prm, ipr, progrm, rro
-from envserve_trainer.process import formulas as f
 from envserve_trainer.process.config import (AgentPRMConfig, ARPOConfig, DPOConfig, InversePRMConfig, IPRConfig,
                                              ProgRMConfig, RROConfig)
 from envserve_trainer.process.dpo import ScoredTokens
