@@ -49,6 +49,11 @@ class AdvantageConfig:
     lamer_gamma_traj: float = 0.6
     lamer_gamma_step: float = 0.95
 
+    # -- REINFORCE++ (Hu 2025) over per-step rewards ---------------------------------------------
+    # The step return's discount. 0.95 like GiGPO's and LaMer's in-episode step discount (ours:
+    # REINFORCE++'s own runs are single-turn, where it does not arise).
+    reinforce_gamma: float = 0.95
+
     # -- token-level GAE over action tokens (PPO) --------------------------------------------------
     # gamma 1.0 because a token is not a time step worth discounting; lam 0.95 (Schulman et al. 2016).
     gae_gamma: float = 1.0
@@ -68,7 +73,7 @@ class AdvantageConfig:
             raise ValueError(f"eps must not be negative, got {self.eps}")
         if self.std_ddof not in (0, 1):
             raise ValueError(f"std_ddof must be 0 (population) or 1 (sample), got {self.std_ddof}")
-        for name in ("gigpo_gamma", "lamer_gamma_traj", "lamer_gamma_step", "gae_gamma", "gae_lam",
+        for name in ("gigpo_gamma", "reinforce_gamma", "lamer_gamma_traj", "lamer_gamma_step", "gae_gamma", "gae_lam",
                      "gamma_turn", "lambda_turn", "gamma_token", "lambda_token"):
             _unit(name, getattr(self, name))
 

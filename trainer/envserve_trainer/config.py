@@ -2,7 +2,7 @@
 
 Sections: env (what to train on), rollout (how episodes are collected), algo (estimator, rewards),
 update (the optimisation step), model (policy and backend), run (iterations, checkpoints, eval),
-sft (supervised fine-tuning on demonstrations).
+sft (supervised fine-tuning on demonstrations), process (a process-reward method, process/).
 Unknown keys and wrong types are refused, so a typo never silently trains with a default.
 """
 from __future__ import annotations
@@ -16,8 +16,12 @@ from typing import Any, Mapping
 from envserve.client.settings import typed_fields
 
 from .algo_config import AdvantageConfig, RewardConfig
+from .process.config import (AgentPRMConfig, ARPOConfig, InversePRMConfig, IPRConfig, ProgRMConfig,
+                             RROConfig)
 
-ESTIMATORS = ("grpo", "gigpo", "grpo_mr", "lamer", "gae", "bilevel_gae")
+ESTIMATORS = ("grpo", "gigpo", "grpo_mr", "lamer", "gae", "bilevel_gae", "reinforce_pp")
+PROCESS_METHODS = ("", "agentprm", "inverse_prm", "progrm")
+REFERENCES = ("initial", "previous")
 TEMPLATES = ("chat", "rlvmr", "vagen")
 MEMORY_MODES = ("trajectories", "reflections", "both")
 BACKENDS = ("hf", "vllm", "openai")
@@ -141,8 +145,13 @@ class UpdateSection:
     # take the sampler's own log-probabilities (one forward pass less; they differ by numerics only,
     # see sampler_logprob_gap). Only with rollout.top_p 1: the sampler reports nucleus probabilities.
     rescore_old: bool = True
+    # What the KL term keeps the policy near: the starting policy ("initial", GRPO's reference) or
+    # the policy before this iteration's update ("previous", AgentPRM's and InversePRM's choice).
+    reference: str = "initial"
 
     def __post_init__(self) -> None:
+        if self.reference not in REFERENCES:
+            raise ValueError(f"update.reference must be one of {REFERENCES}, got {self.reference!r}")
         if self.micro_batch_size < 1 or self.mini_batch_size < 0 or self.epochs < 1:
             raise ValueError("update.micro_batch_size and update.epochs must be >= 1, mini_batch_size >= 0")
         if self.strategy not in ("ddp", "fsdp"):
@@ -219,6 +228,65 @@ class SFTSection:
             raise ValueError("sft.warmup_steps and sft.checkpoint_every must be >= 0")
 
 
+_METHOD_CONFIGS = {"agentprm": AgentPRMConfig, "inverse_prm": InversePRMConfig, "progrm": ProgRMConfig,
+                   "ipr": IPRConfig, "rro": RROConfig, "arpo": ARPOConfig}
+
+
+@dataclass(frozen=True)
+class ProcessSection:
+    """A process-reward method (process/training.py) on top of the RL loop; "" trains without one.
+    agentprm / inverse_prm / progrm give each turn a learned process reward that the estimator adds
+    to the env's (times reward_coef). Each method's own numbers are in its sub-mapping
+    (process/config.py holds their defaults and where they come from); ipr, rro and arpo have their
+    sub-mappings and formulas but no training step yet."""
+    method: str = ""
+    reward_coef: float = 1.0          # weight of the process reward beside the env's
+    # AgentPRM's and InversePRM's sigma(Q_phi) is positive on every step, which would pay an episode
+    # for lasting longer; subtracting the iteration's mean keeps the ranking of steps and removes
+    # that (ours; ProgRM's progress rewards telescope and need no centring).
+    center_reward: bool = True
+    # The reward model (AgentPRM's Q_phi, InversePRM's classifier, ProgRM's progress model): a copy
+    # of the policy's body with a scalar head, trained each iteration on a buffer of recent examples.
+    prm_lr: float = 1e-4
+    prm_epochs: int = 2               # passes over the buffer per iteration
+    prm_batch_size: int = 32
+    prm_buffer: int = 1024            # examples kept (the newest), so early iterations still count
+    # Monte-Carlo rollouts over Fork (AgentPRM's added visits, IPR's and RRO's comparisons).
+    mc_rollouts: int = 4              # m per state (or per candidate action)
+    mc_states: int = 16               # states per iteration given forked rollouts (AgentPRM)
+    mc_horizon: int = 0               # turns per rollout at most; 0: until the episode ends
+    mc_max_alive: int = 64            # rollout sessions open at once
+    mc_temperature: float = 1.0       # the rollout policy's sampling temperature
+    # Demonstrations (InversePRM's positives, IPR's expert trajectories): a JSONL written by
+    # `envserve-train collect`, or, when empty, played live by the env's expert at the start.
+    demos: str = ""
+    expert_episodes: int = 32
+    agentprm: AgentPRMConfig = field(default_factory=AgentPRMConfig)
+    inverse_prm: InversePRMConfig = field(default_factory=InversePRMConfig)
+    progrm: ProgRMConfig = field(default_factory=ProgRMConfig)
+    ipr: IPRConfig = field(default_factory=IPRConfig)
+    rro: RROConfig = field(default_factory=RROConfig)
+    arpo: ARPOConfig = field(default_factory=ARPOConfig)
+
+    def __post_init__(self) -> None:
+        if self.method not in PROCESS_METHODS:
+            raise ValueError(f"process.method must be one of {PROCESS_METHODS}, got {self.method!r}")
+        if self.prm_epochs < 1 or self.prm_batch_size < 1 or self.prm_buffer < 1:
+            raise ValueError("process.prm_epochs, prm_batch_size and prm_buffer must be >= 1")
+        if self.mc_rollouts < 0 or self.mc_states < 0 or self.mc_horizon < 0 or self.mc_max_alive < 2:
+            raise ValueError("process.mc_rollouts, mc_states and mc_horizon must be >= 0, mc_max_alive >= 2")
+        if self.expert_episodes < 0:
+            raise ValueError("process.expert_episodes must be >= 0")
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any] | None) -> "ProcessSection":
+        data = dict(data or {})
+        nested = {}
+        for name, config_cls in _METHOD_CONFIGS.items():
+            nested[name] = config_cls.from_mapping(data.pop(name, None))
+        return cls(**typed_fields(cls, data, "process"), **nested)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     env: EnvSection = field(default_factory=EnvSection)
@@ -228,6 +296,7 @@ class TrainConfig:
     model: ModelSection = field(default_factory=ModelSection)
     run: RunSection = field(default_factory=RunSection)
     sft: SFTSection = field(default_factory=SFTSection)
+    process: ProcessSection = field(default_factory=ProcessSection)
 
     def __post_init__(self) -> None:
         if not self.update.rescore_old and self.rollout.top_p < 1.0:
@@ -253,6 +322,7 @@ class TrainConfig:
             model=_typed(ModelSection, data.get("model"), "model"),
             run=_typed(RunSection, data.get("run"), "run"),
             sft=_typed(SFTSection, data.get("sft"), "sft"),
+            process=ProcessSection.from_mapping(data.get("process")),
         )
 
     @classmethod

@@ -146,6 +146,9 @@ class Learner:
 
     def update(self, samples: Sequence[Sample], seed: int = 0) -> dict[str, float]:
         up = self.cfg.update
+        if up.reference == "previous" and self.reference is not None:
+            # KL to the policy as it was before this update (the one that sampled these samples).
+            self.reference.load_state_dict(self.model.state_dict())
         device = next(self.model.parameters()).device
         mb = up.micro_batch_size
         # pi_old and the reference, once per iteration, on unwrapped modules (no collectives).

@@ -14,7 +14,11 @@ Estimators and what each turn's tokens get:
                episode it led to (it was written to help that one);
   gae          token-level GAE over the trajectory's action tokens, the step reward on each turn's
                last token, values from the critic;
-  bilevel_gae  VAGEN's turn-level GAE seeding token-level GAE inside each turn.
+  bilevel_gae  VAGEN's turn-level GAE seeding token-level GAE inside each turn;
+  reinforce_pp the step's discounted reward-to-go normalised over the whole batch (REINFORCE++).
+
+A turn's reward is the env's, plus the judged reasoning reward with a judge, plus
+process.reward_coef x the process reward a process method gave the turn (process/training.py).
 """
 from __future__ import annotations
 
@@ -46,6 +50,8 @@ def turn_reward(turn: Turn, cfg: TrainConfig) -> float:
         extra["reasoning"] = reasoning_reward(turn.judge_scores.get("grounding"),
                                               turn.judge_scores.get("world_modeling"), cfg.algo.reward,
                                               format_valid=turn.parsed)
+    if turn.process_reward is not None:
+        extra["process"] = cfg.process.reward_coef * turn.process_reward
     return step_reward(turn.reward, extra)
 
 
@@ -101,6 +107,10 @@ def build_samples(trials: Sequence[Trial], cfg: TrainConfig, value_fn: ValueFn |
         res = adv.grpo_mr_advantages([m.outcome_return() for m in metas], [m.meta for m in metas],
                                      [m.tags for m in metas], groups, acfg)
         for ep, g, ai in zip(episodes, groups, res.advantages):
+            out += [_turn_sample(t, ai[i], g) for i, t in enumerate(ep.turns)]
+    elif est == "reinforce_pp":
+        advs = adv.reinforce_pp_advantages(rewards, acfg.reinforce_gamma, acfg)
+        for ep, g, ai in zip(episodes, groups, advs):
             out += [_turn_sample(t, ai[i], g) for i, t in enumerate(ep.turns)]
     elif est in ("gae", "bilevel_gae"):
         if value_fn is None:

@@ -4,6 +4,7 @@
         tasks   = the next tasks_per_iteration task seeds (cycled), this rank's share of them
         trials  = K trials per task from the env service (rollout.RolloutEngine)
         judged  = the judge service's scores on the trials' reasoning (when configured)
+        process = a process-reward method's reward for every turn (process/training.py), if configured
         samples = per-token advantages from the configured estimator (samples.build_samples)
         update  = clipped policy loss + KL to the reference (learner.Learner)
         log     = metrics.jsonl (training summary, loss, timings), curves.png, a checkpoint
@@ -191,6 +192,20 @@ class Trainer:
                 self.start_iteration = int(state["iteration"])
                 log.info("resumed from %s (iteration %d)", ckpt, self.start_iteration)
         self.metrics = MetricsLog(self.out / METRICS_FILE)
+        self.process = self._process_method(model)
+
+    def _process_method(self, model):
+        """The configured process-reward method (process/training.py), or None."""
+        if not self.cfg.process.method:
+            return None
+        from .process.training import build_method
+        needs_client = self.cfg.process.method == "inverse_prm" and not self.cfg.process.demos
+        client = self.connection.sync_client() if needs_client else None
+        try:
+            return build_method(self.cfg, model, self.tokenizer, client)
+        finally:
+            if client is not None:
+                client.close()
 
     # -- one iteration -------------------------------------------------------------------------------
     async def _collect(self, engine: RolloutEngine, judge, tasks: list[Task], group_size: int, iteration: int,
@@ -227,6 +242,12 @@ class Trainer:
                 t0 = time.monotonic()
                 tasks = self.dist.shard(task_schedule(cfg, it))
                 trials, timing = await self._collect(engine, judge, tasks, cfg.rollout.group_size, it)
+                process: dict[str, float] = {}
+                if self.process is not None:
+                    from .process.training import Context
+                    t_process = time.monotonic()
+                    process = await self.process.annotate(trials, Context(client, self.policy, engine.system_prompt, it))
+                    timing["process_s"] = time.monotonic() - t_process
                 t1 = time.monotonic()
                 samples = build_samples(trials, cfg, self.learner.values if cfg.algo.needs_critic else None)
                 update = await asyncio.to_thread(self.learner.update, samples, cfg.run.seed * 100_003 + it)
@@ -235,6 +256,8 @@ class Trainer:
                 dropped = len(trials) - len(usable(trials))
                 record: dict[str, Any] = {"train": train_summary, "update": update, "timing": timing,
                                           "dropped_trials": dropped}
+                if process:
+                    record["process"] = process
                 if not finite(update):
                     raise FloatingPointError(f"iteration {it}: non-finite update metrics {update}")
                 done = it + 1

@@ -33,6 +33,7 @@ class Turn:
     success: bool = False
     feedback: str = ""
     judge_scores: dict[str, float] = field(default_factory=dict)   # field -> judge score
+    process_reward: float | None = None   # a process reward model's reward for this step (process/)
 
     @property
     def parsed(self) -> bool:

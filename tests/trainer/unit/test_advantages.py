@@ -330,3 +330,16 @@ def test_config_defaults_and_from_mapping():
         AdvantageConfig.from_mapping({"scale_by_std": 1})
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         AdvantageConfig(gae_lam=1.5)
+
+
+def test_reinforce_pp_normalises_step_returns_over_the_whole_batch():
+    from envserve_trainer.advantages import reinforce_pp_advantages
+    # Returns-to-go with gamma 0.5: [1, 0] -> [1, 0]; [0, 0, 4] -> [1, 2, 4]. Pooled: 0, 1, 1, 2, 4,
+    # mean 1.6, sample std sqrt(((1.6^2 + 0.6^2 * 2 + 0.4^2 + 2.4^2) / 4) = sqrt(2.3).
+    a = reinforce_pp_advantages([[1.0, 0.0], [0.0, 0.0, 4.0]], gamma=0.5, cfg=AdvantageConfig(eps=0.0))
+    std = np.sqrt(2.3)
+    np.testing.assert_allclose(a[0], [(1 - 1.6) / std, (0 - 1.6) / std])
+    np.testing.assert_allclose(a[1], [(1 - 1.6) / std, (2 - 1.6) / std, (4 - 1.6) / std])
+    # One batch-wide baseline, not one per trajectory: a trajectory of equal returns is not zeroed.
+    b = reinforce_pp_advantages([[1.0], [3.0]], gamma=1.0, cfg=AdvantageConfig(eps=0.0))
+    assert b[0][0] < 0 < b[1][0]

@@ -1,0 +1,354 @@
+"""The process-reward methods as steps of the RL loop (train.py calls them between collection and
+the update): each gives every collected turn a process reward (Turn.process_reward), which the
+estimator adds to the env's reward times process.reward_coef (samples.turn_reward).
+
+    agentprm     Q-hat(s, a) from the iteration's returns (every visit) plus m forked rollouts from
+                 the least-visited (s, a); the step scorer trained with BCE against Q-hat in [0, 1];
+                 r_t = sigma(Q_phi(s_t, a_t)) (less the iteration's mean: process.center_reward).
+    inverse_prm  the step scorer trained as InversePRM's transition classifier: the expert's
+                 transitions (demonstrations) against the policy's; r_t = sigma(Q_phi(s_t, a_t)).
+    progrm       recipes (the LCS of a cluster's successful action sequences, kept across
+                 iterations), k/|L| progress labels on every trajectory with a recipe, the step
+                 scorer trained with BCE on them; r_t = Prog(s_t) - Prog(s_{t-1}).
+
+The KL to the previous iteration's policy that AgentPRM and InversePRM use is update.reference:
+previous (learner.py). A state is keyed by the env's anchor of the state acted in and the parsed
+actions, within its task group, so equal (s, a) pairs pool their returns.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import Any, Hashable, Sequence
+
+import torch
+
+from ..config import TrainConfig
+from ..prompting import ChatLayout
+from ..samples import usable
+from ..trajectory import Episode, Trial, Turn
+from . import agentprm, inverse_prm, progrm
+from .montecarlo import MCSettings, chat_policy, estimate, prefix_points
+from .reward_model import StepScorer
+
+log = logging.getLogger(__name__)
+
+
+def action_key(turn: Turn) -> str:
+    """What a turn did, as the env parsed it (case and spacing as the env normalises them), or the
+    text sent when nothing parsed: equal keys are the same action."""
+    return ",".join(turn.parsed_actions) if turn.parsed_actions else turn.action
+
+
+def step_keys(episode: Episode) -> list[Hashable | None]:
+    """(group, state anchor, action) per turn; None where the env gave no anchor (no pooling)."""
+    return [(episode.group, t.state_anchor, action_key(t)) if t.state_anchor else None for t in episode.turns]
+
+
+def _episodes(trials: Sequence[Trial]) -> list[Episode]:
+    return [ep for tr in usable(trials) for ep in tr.episodes if ep.turns]
+
+
+@dataclass
+class Context:
+    """What a method may use in one iteration besides the trials."""
+    client: Any                 # the rollout's AsyncEnvClient or AsyncRoutedClient
+    policy: Any                 # the rollout policy (HFPolicy over the live weights)
+    system_prompt: str
+    iteration: int
+
+
+class ProcessMethod:
+    """Base: a step scorer and the iteration's annotate()."""
+    name = ""
+
+    def __init__(self, cfg: TrainConfig, policy_model, tokenizer, seed: int = 0):
+        p = cfg.process
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.scorer = StepScorer(policy_model, int(pad), p.prm_lr, p.prm_buffer, p.prm_batch_size, seed)
+
+    async def annotate(self, trials: Sequence[Trial], ctx: Context) -> dict[str, float]:
+        raise NotImplementedError
+
+    def _set_rewards(self, turns: Sequence[Turn], rewards: Sequence[float]) -> float:
+        """Process rewards onto the turns, less their mean when process.center_reward is set;
+        returns the mean before centring (the scorer's average opinion, for the log)."""
+        mean = _mean(rewards)
+        shift = mean if self.cfg.process.center_reward else 0.0
+        for t, r in zip(turns, rewards):
+            t.process_reward = r - shift
+        return mean
+
+    def _score_turns(self, turns: Sequence[Turn]) -> list[float]:
+        return self.scorer.score([t.prompt_ids for t in turns], [t.completion_ids for t in turns])
+
+
+def _bce(scorer: StepScorer, batch) -> torch.Tensor:
+    logits = scorer.logits([b[0] for b in batch], [b[1] for b in batch])
+    targets = torch.tensor([b[2] for b in batch], dtype=torch.float32, device=logits.device)
+    return agentprm.prm_bce_loss(logits, targets)
+
+
+def _sigmoid(z: float) -> float:
+    return 1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z))
+
+
+def _mean(values: Sequence[float]) -> float:
+    return float(sum(values) / len(values)) if values else 0.0
+
+
+class AgentPRM(ProcessMethod):
+    name = "agentprm"
+
+    async def _forked_visits(self, episodes: list[Episode], keys: list[list], visits: dict, ctx: Context):
+        """m rollouts from each of the mc_states least-visited (s, a) of the iteration, each starting
+        with a (Q(s, a) by Fork); returns their (return, key) pairs and the estimate's cost."""
+        p, env = self.cfg.process, self.cfg.env
+        if p.mc_rollouts == 0 or p.mc_states == 0:
+            return [], {}
+        chosen, seen = [], set()
+        for ep, ks in zip(episodes, keys):
+            for t, k in enumerate(ks):
+                if k is not None and k not in seen:
+                    seen.add(k)
+                    chosen.append((visits[k], len(chosen), ep, t, k))
+        chosen = sorted(chosen, key=lambda c: (c[0], c[1]))[:p.mc_states]
+        if not chosen:
+            return [], {}
+        points, firsts = [], []
+        for _, _, ep, t, _ in chosen:
+            actions = [x.action for x in ep.turns]
+            points += prefix_points(env.env_id, ep.task_seed, actions, env.env_config, env.action_format, ep.split,
+                                    turns=[t])
+            firsts.append(actions[t])
+        ro = self.cfg.rollout
+        policy = chat_policy(ctx.policy, ctx.system_prompt, ro.max_new_tokens, p.mc_temperature, ro.top_p,
+                             seed=self.cfg.run.seed * 7919 + ctx.iteration, response_prefix=ro.response_prefix,
+                             response_suffix=ro.response_suffix)
+        settings = MCSettings(rollouts_per_state=p.mc_rollouts, gamma=self.cfg.process.agentprm.gamma,
+                              horizon=p.mc_horizon, max_alive=p.mc_max_alive)
+        values = await estimate(ctx.client, points, policy, settings, by="fork", first_actions=firsts)
+        pairs = [(ret, c[4]) for c, v in zip(chosen, values) if not v.failed for ret in v.returns]
+        failed = sum(1 for v in values if v.failed)
+        if failed:
+            log.warning("agentprm: %d of %d forked estimates failed (%s)", failed, len(values),
+                        next(v.error for v in values if v.failed))
+        return pairs, {"mc_states": float(len(values) - failed), "mc_failed": float(failed),
+                       "mc_env_steps": float(sum(v.env_steps for v in values))}
+
+    async def annotate(self, trials, ctx):
+        a = self.cfg.process.agentprm
+        episodes = _episodes(trials)
+        if not episodes:
+            return {}
+        rewards = [[t.reward for t in ep.turns] for ep in episodes]
+        keys = [step_keys(ep) for ep in episodes]
+        visits: dict[Hashable, int] = defaultdict(int)
+        for ks in keys:
+            for k in ks:
+                if k is not None:
+                    visits[k] += 1
+        forked, mc = await self._forked_visits(episodes, keys, visits, ctx)
+        # A forked rollout's return is one more visit of its (s, a): a one-step "trajectory" whose
+        # reward is that return pools with the rest in the every-visit mean.
+        q = agentprm.q_hat_targets(rewards + [[r] for r, _ in forked], keys + [[k] for _, k in forked], a.gamma)
+        examples = [(t.prompt_ids, t.completion_ids, agentprm.bce_target(q[k].value, a.return_low, a.return_high))
+                    for ep, ks in zip(episodes, keys) for t, k in zip(ep.turns, ks) if k is not None]
+        fit = await asyncio.to_thread(self.scorer.fit, examples, _bce, self.cfg.process.prm_epochs)
+        turns = [t for ep in episodes for t in ep.turns]
+        logits = await asyncio.to_thread(self._score_turns, turns)
+        score_mean = self._set_rewards(turns, [_sigmoid(z) for z in logits])
+        return {**fit, **mc, "prm_score_mean": score_mean, "q_hat_states": float(len(q)), "q_hat_mean": _mean([v.value for v in q.values()]),
+                "process_reward_mean": _mean([t.process_reward for t in turns])}
+
+
+# -- InversePRM --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Transition:
+    """(s, a) and (s', a') in the policy's layout; next None after a terminal step."""
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    next_prompt_ids: list[int] | None
+    next_completion_ids: list[int] | None
+    expert: bool
+
+
+def transitions(steps: Sequence[tuple[list[int], list[int]]], ended: bool, expert: bool) -> list[Transition]:
+    """The transitions of one trajectory's (prompt ids, completion ids) steps. `ended`: its last step
+    was terminal (the env's done); a trajectory cut by a time limit has no successor for its last
+    step and leaves that step out (its Q(s', a') is unknown, and 0 would call it terminal)."""
+    out = []
+    for i, (p, c) in enumerate(steps):
+        if i + 1 < len(steps):
+            out.append(Transition(list(p), list(c), list(steps[i + 1][0]), list(steps[i + 1][1]), expert))
+        elif ended:
+            out.append(Transition(list(p), list(c), None, None, expert))
+    return out
+
+
+def _classifier_loss(gamma: float):
+    def loss(scorer: StepScorer, batch: Sequence[Transition]) -> torch.Tensor:
+        has_next = [b.next_prompt_ids is not None for b in batch]
+        nexts = [b for b, h in zip(batch, has_next) if h]
+        z = scorer.logits([b.prompt_ids for b in batch] + [b.next_prompt_ids for b in nexts],
+                          [b.completion_ids for b in batch] + [b.next_completion_ids for b in nexts])
+        q_sa, q_rest = z[:len(batch)], z[len(batch):]
+        q_next = torch.zeros_like(q_sa)
+        idx = torch.tensor([i for i, h in enumerate(has_next) if h], dtype=torch.long, device=z.device)
+        if len(idx):
+            q_next = q_next.index_copy(0, idx, q_rest)
+        terminal = torch.tensor([not h for h in has_next], dtype=torch.float32, device=z.device)
+        expert = torch.tensor([b.expert for b in batch], device=z.device)
+        return inverse_prm.inverse_prm_loss(q_sa, q_next, expert, terminal, gamma)
+    return loss
+
+
+def demonstration_steps(records: Sequence[dict], cfg: TrainConfig, tokenizer) -> list[tuple[list, bool]]:
+    """Each demonstration's (prompt ids, completion ids) steps in the policy's layout (replayed as
+    the rollout builds contexts: collect.replay_episode), with whether it ended by the env's done."""
+    from ..collect import replay_episode
+    layout = ChatLayout(tokenizer)
+    out = []
+    for r in records:
+        replayed = replay_episode(layout, r, cfg)
+        steps = [(x.prompt_ids, x.completion_ids) for x in replayed]
+        ended = bool(r["turns"]) and bool(r["turns"][-1]["done"]) and not r.get("turn_limited", False)
+        out.append((steps, ended))
+    return out
+
+
+def play_demonstrations(sync_client, cfg: TrainConfig, episodes: int) -> list[dict]:
+    """`episodes` demonstrations by the env's expert on the training seeds (cycled), as collect's records."""
+    from envserve.client.experts import play_expert
+    from ..collect import episode_record
+    env = cfg.env
+    seeds = [env.seed_start + i % env.num_tasks for i in range(episodes)]
+    admissible = sync_client.get_spec(env.env_id).action_space
+    played = play_expert(sync_client, env.env_id, seeds, env.action_format, config=env.env_config, split=env.split,
+                         max_turns=cfg.rollout.max_turns)
+    return [episode_record(e, admissible) for e in played]
+
+
+class InversePRM(ProcessMethod):
+    name = "inverse_prm"
+
+    def __init__(self, cfg, policy_model, tokenizer, demonstrations: Sequence[dict], seed: int = 0):
+        super().__init__(cfg, policy_model, tokenizer, seed)
+        self.expert = [tr for steps, ended in demonstration_steps(demonstrations, cfg, tokenizer)
+                       for tr in transitions(steps, ended, expert=True)]
+        if not self.expert:
+            raise ValueError("inverse_prm: the demonstrations hold no transition")
+        self.loss = _classifier_loss(cfg.process.inverse_prm.gamma)
+
+    def _fit(self, policy_transitions: list[Transition]) -> dict[str, float]:
+        # The expert's transitions are the fixed positives; the policy's go through the buffer, so
+        # recent iterations' negatives keep counting. The loss averages each class on its own.
+        return self.scorer.fit(policy_transitions, self.loss, self.cfg.process.prm_epochs, fixed=self.expert)
+
+    @torch.no_grad()
+    def separation(self, batch: Sequence[Transition]) -> float:
+        """Mean sigma(z) of the given transitions (how expert-like the classifier finds them)."""
+        if not batch:
+            return 0.0
+        g = self.cfg.process.inverse_prm.gamma
+        z_sa = self.scorer.score([b.prompt_ids for b in batch], [b.completion_ids for b in batch])
+        nxt = [b for b in batch if b.next_prompt_ids is not None]
+        z_next = iter(self.scorer.score([b.next_prompt_ids for b in nxt], [b.next_completion_ids for b in nxt]))
+        zs = [z - g * (next(z_next) if b.next_prompt_ids is not None else 0.0) for z, b in zip(z_sa, batch)]
+        return _mean([_sigmoid(z) for z in zs])
+
+    async def annotate(self, trials, ctx):
+        episodes = _episodes(trials)
+        if not episodes:
+            return {}
+        policy_tr = [tr for ep in episodes
+                     for tr in transitions([(t.prompt_ids, t.completion_ids) for t in ep.turns],
+                                           ep.turns[-1].done and not ep.turn_limited, expert=False)]
+        fit = await asyncio.to_thread(self._fit, policy_tr)
+        turns = [t for ep in episodes for t in ep.turns]
+        logits = await asyncio.to_thread(self._score_turns, turns)
+        score_mean = self._set_rewards(turns, [_sigmoid(z) for z in logits])
+        return {**fit, "prm_score_mean": score_mean, "expert_transitions": float(len(self.expert)), "policy_transitions": float(len(policy_tr)),
+                "expert_prob_expert": await asyncio.to_thread(self.separation, self.expert[:256]),
+                "expert_prob_policy": await asyncio.to_thread(self.separation, policy_tr[:256]),
+                "process_reward_mean": _mean([t.process_reward for t in turns])}
+
+
+# -- ProgRM --------------------------------------------------------------------------------------------
+class ProgRM(ProcessMethod):
+    name = "progrm"
+    # Successful action sequences kept per cluster key (ours: the newest 16), so a recipe reflects
+    # recent successes and the LCS stays cheap.
+    KEEP_SUCCESSES = 16
+
+    def __init__(self, cfg, policy_model, tokenizer, seed: int = 0):
+        super().__init__(cfg, policy_model, tokenizer, seed)
+        self.successes: dict[Hashable, deque] = defaultdict(lambda: deque(maxlen=self.KEEP_SUCCESSES))
+
+    def recipes_for(self, episode: Episode) -> list[list[Hashable]]:
+        """The recipes a trajectory is matched against: its own cluster's (cluster_by key: its task
+        group), or every cluster's (jaccard: clusters of all kept successes by action-set overlap)."""
+        pc = self.cfg.process.progrm
+        if pc.cluster_by == "key":
+            seqs = list(self.successes.get(episode.group, ()))
+            return progrm.cluster_recipes(seqs, [list(range(len(seqs)))], pc.min_cluster_size)
+        seqs = [s for kept in self.successes.values() for s in kept]
+        return progrm.cluster_recipes(seqs, progrm.cluster_by_jaccard(seqs, pc.jaccard_threshold),
+                                      pc.min_cluster_size)
+
+    def labels(self, episode: Episode) -> list[float] | None:
+        actions = [action_key(t) for t in episode.turns]
+        recipes = self.recipes_for(episode)
+        best = progrm.best_recipe(actions, recipes)
+        return None if best is None else progrm.progress_labels(actions, recipes[best])
+
+    async def annotate(self, trials, ctx):
+        episodes = _episodes(trials)
+        if not episodes:
+            return {}
+        for ep in episodes:
+            if ep.success:
+                self.successes[ep.group].append([action_key(t) for t in ep.turns])
+        examples, labelled = [], 0
+        for ep in episodes:
+            labels = self.labels(ep)
+            if labels is None:
+                continue
+            labelled += 1
+            examples += [(t.prompt_ids, t.completion_ids, y) for t, y in zip(ep.turns, labels)]
+        fit = await asyncio.to_thread(self.scorer.fit, examples, _bce, self.cfg.process.prm_epochs)
+        turns = [t for ep in episodes for t in ep.turns]
+        logits = iter(await asyncio.to_thread(self._score_turns, turns))
+        for ep in episodes:
+            progress = [_sigmoid(next(logits)) for _ in ep.turns]
+            for t, r in zip(ep.turns, progrm.progress_rewards(progress)):
+                t.process_reward = r
+        return {**fit, "labelled_trajectories": float(labelled), "clusters_with_successes": float(len(self.successes)),
+                "process_reward_mean": _mean([t.process_reward for t in turns])}
+
+
+def build_method(cfg: TrainConfig, policy_model, tokenizer, sync_client=None) -> ProcessMethod | None:
+    """The configured method (None for process.method ""); InversePRM's demonstrations come from
+    process.demos, or are played live through `sync_client` (a blocking EnvClient/RoutedClient)."""
+    method, seed = cfg.process.method, cfg.run.seed
+    if not method:
+        return None
+    if method == "agentprm":
+        return AgentPRM(cfg, policy_model, tokenizer, seed)
+    if method == "progrm":
+        return ProgRM(cfg, policy_model, tokenizer, seed)
+    if method == "inverse_prm":
+        if cfg.process.demos:
+            from ..collect import load_records
+            records = load_records(cfg.process.demos)
+        else:
+            if sync_client is None:
+                raise ValueError("inverse_prm needs demonstrations: process.demos, or a client to play the expert")
+            records = play_demonstrations(sync_client, cfg, cfg.process.expert_episodes)
+        return InversePRM(cfg, policy_model, tokenizer, records, seed)
+    raise ValueError(f"process.method {method!r} has no training step in this module")
