@@ -20,7 +20,7 @@ from .process.config import (AgentPRMConfig, ARPOConfig, InversePRMConfig, IPRCo
                              RROConfig)
 
 ESTIMATORS = ("grpo", "gigpo", "grpo_mr", "lamer", "gae", "bilevel_gae", "reinforce_pp")
-PROCESS_METHODS = ("", "agentprm", "inverse_prm", "progrm")
+PROCESS_METHODS = ("", "agentprm", "inverse_prm", "progrm", "ipr", "rro")
 REFERENCES = ("initial", "previous")
 TEMPLATES = ("chat", "rlvmr", "vagen")
 MEMORY_MODES = ("trajectories", "reflections", "both")
@@ -236,9 +236,10 @@ _METHOD_CONFIGS = {"agentprm": AgentPRMConfig, "inverse_prm": InversePRMConfig, 
 class ProcessSection:
     """A process-reward method (process/training.py) on top of the RL loop; "" trains without one.
     agentprm / inverse_prm / progrm give each turn a learned process reward that the estimator adds
-    to the env's (times reward_coef). Each method's own numbers are in its sub-mapping
-    (process/config.py holds their defaults and where they come from); ipr, rro and arpo have their
-    sub-mappings and formulas but no training step yet."""
+    to the env's (times reward_coef); ipr and rro train on preference pairs from forked rollouts
+    (DPO against the reference, which is then the policy before each update). Each method's own
+    numbers are in its sub-mapping (process/config.py holds their defaults and where they come
+    from); arpo has its sub-mapping and formulas but no training step in this loop yet."""
     method: str = ""
     reward_coef: float = 1.0          # weight of the process reward beside the env's
     # AgentPRM's and InversePRM's sigma(Q_phi) is positive on every step, which would pay an episode

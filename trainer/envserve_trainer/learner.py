@@ -209,6 +209,68 @@ class Learner:
             out["sampler_logprob_gap"] = mismatch / max(mismatch_n, 1)
         return out
 
+    def preference_update(self, pairs: Sequence[Any], sft_rows: Sequence[tuple[Sequence[int], Sequence[int]]] = (),
+                          beta: float = 0.1, weights: dict[str, float] | None = None, seed: int = 0) -> dict[str, float]:
+        """The DPO family's step (IPR, RRO): sigmoid DPO on each kind of pair ("outcome", "step")
+        against the reference, plus an SFT term on `sft_rows`, weighted by `weights` (kind -> w, and
+        "sft"); pairs in mini-batches of update.micro_batch_size, one optimizer step each, for
+        update.epochs passes. A single process only (no DDP alignment of uneven pair counts)."""
+        from .process.dpo import dpo_loss, dpo_margins, rows_sft_loss, side_logprobs
+        if self.reference is None:
+            raise RuntimeError("a preference update needs a reference policy")
+        if self.dist.active:
+            raise RuntimeError("the preference update runs in one process; torchrun is not supported for it")
+        w = {"outcome": 1.0, "step": 1.0, "sft": 1.0, **(weights or {})}
+        up = self.cfg.update
+        scoring = dict(temperature=self.cfg.rollout.temperature or 1.0, pad_token_id=self.pad_token_id,
+                       allowed=self.allowed)
+        rng = random.Random(seed)
+        stats: dict[str, list[float]] = {k: [] for k in ("loss", "outcome_loss", "step_loss", "sft_loss",
+                                                          "margin", "accuracy", "grad_norm")}
+        order = list(range(len(pairs)))
+        sft_rows = list(sft_rows)
+        mb = up.micro_batch_size
+        self.model.train()
+        for _ in range(up.epochs):
+            rng.shuffle(order)
+            batches = [order[s:s + mb] for s in range(0, len(order), mb)] or [[]]
+            for b, chunk in enumerate(batches):
+                batch = [pairs[i] for i in chunk]
+                self.optimizer.zero_grad(set_to_none=True)
+                loss = None
+                for kind in ("outcome", "step"):
+                    these = [p for p in batch if p.kind == kind]
+                    if not these:
+                        continue
+                    pc, pr, rc, rr = side_logprobs(self.model, self.reference, these, **scoring)
+                    part = dpo_loss(pc, pr, rc, rr, beta)
+                    margins = dpo_margins(pc.detach(), pr.detach(), rc, rr, beta)
+                    stats[f"{kind}_loss"].append(float(part.detach()))
+                    stats["margin"].append(float(margins.mean()))
+                    stats["accuracy"].append(float((margins > 0).float().mean()))
+                    loss = w[kind] * part if loss is None else loss + w[kind] * part
+                if sft_rows and w["sft"] > 0:
+                    # The SFT rows spread over the pass's batches, a share each.
+                    share = sft_rows[b::len(batches)]
+                    if share:
+                        part = rows_sft_loss(self.model, share, **scoring)
+                        stats["sft_loss"].append(float(part.detach()))
+                        loss = w["sft"] * part if loss is None else loss + w["sft"] * part
+                if loss is None:
+                    continue
+                loss.backward()
+                params = [p for p in self.model.parameters() if p.grad is not None]
+                stats["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(params, up.max_grad_norm)))
+                self.optimizer.step()
+                stats["loss"].append(float(loss.detach()))
+        self.model.eval()
+        self.sync_rollout_model()
+        self.iteration += 1
+        out = {k: float(np.mean(v)) for k, v in stats.items() if v}
+        out["pairs"] = float(len(pairs))
+        out["sft_rows"] = float(len(sft_rows))
+        return out
+
     def _idle_step(self, device) -> None:
         """A zero-weighted forward/backward: keeps this rank in step with ranks that have more samples."""
         ids = torch.tensor([[self.pad_token_id]], device=device)

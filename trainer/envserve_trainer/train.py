@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
 REFERENCE_DIR = "reference"
+PREFERENCE_METHODS = ("ipr", "rro")
 
 
 @dataclass
@@ -169,7 +170,8 @@ class Trainer:
         self.allowed_ids = allowed_token_ids(self.tokenizer, cfg.rollout.allowed_words, cfg.rollout.max_new_tokens)
         from .pretrained import load_pretrained, save_model
         reference = None
-        if cfg.update.kl_coef > 0:
+        # The DPO family (process.method ipr, rro) compares against a reference even without a KL term.
+        if cfg.update.kl_coef > 0 or cfg.process.method in PREFERENCE_METHODS:
             ref_dir = self.out / REFERENCE_DIR
             # The reference is the starting policy; a resumed run must keep the original one.
             if resume and ref_dir.exists():
@@ -199,10 +201,10 @@ class Trainer:
         if not self.cfg.process.method:
             return None
         from .process.training import build_method
-        needs_client = self.cfg.process.method == "inverse_prm" and not self.cfg.process.demos
+        needs_client = self.cfg.process.method in ("inverse_prm", "ipr") and not self.cfg.process.demos
         client = self.connection.sync_client() if needs_client else None
         try:
-            return build_method(self.cfg, model, self.tokenizer, client)
+            return build_method(self.cfg, model, self.tokenizer, client, self.allowed_ids)
         finally:
             if client is not None:
                 client.close()
@@ -243,14 +245,22 @@ class Trainer:
                 tasks = self.dist.shard(task_schedule(cfg, it))
                 trials, timing = await self._collect(engine, judge, tasks, cfg.rollout.group_size, it)
                 process: dict[str, float] = {}
+                pairs = None
                 if self.process is not None:
                     from .process.training import Context
                     t_process = time.monotonic()
-                    process = await self.process.annotate(trials, Context(client, self.policy, engine.system_prompt, it))
+                    ctx = Context(client, self.policy, engine.system_prompt, it, engine.admissible)
+                    if self.process.preference:
+                        pairs, sft_rows, process = await self.process.pairs(trials, ctx)
+                    else:
+                        process = await self.process.annotate(trials, ctx)
                     timing["process_s"] = time.monotonic() - t_process
                 t1 = time.monotonic()
-                samples = build_samples(trials, cfg, self.learner.values if cfg.algo.needs_critic else None)
-                update = await asyncio.to_thread(self.learner.update, samples, cfg.run.seed * 100_003 + it)
+                if pairs is not None:
+                    update = await asyncio.to_thread(self._preference_update, pairs, sft_rows, cfg.run.seed * 100_003 + it)
+                else:
+                    samples = build_samples(trials, cfg, self.learner.values if cfg.algo.needs_critic else None)
+                    update = await asyncio.to_thread(self.learner.update, samples, cfg.run.seed * 100_003 + it)
                 timing["update_s"] = time.monotonic() - t1
                 train_summary = self.evaluate_trials(trials)["overall"]
                 dropped = len(trials) - len(usable(trials))
@@ -282,6 +292,21 @@ class Trainer:
         if self.dist.is_main and records:
             self.plot()
         return records
+
+    def _preference_update(self, pairs, sft_rows, seed: int) -> dict[str, float]:
+        """The DPO family's update: the reference is the policy before it (as update.reference
+        previous gives the PG methods), so each iteration's pairs move the policy from where it is."""
+        p = self.cfg.process
+        if self.learner.reference is not None:
+            self.learner.reference.load_state_dict(self.learner.model.state_dict())
+        if p.method == "ipr":
+            beta, weights = p.ipr.beta, {"outcome": p.ipr.outcome_weight, "step": p.ipr.step_weight,
+                                         "sft": p.ipr.sft_weight}
+        else:
+            beta, weights = p.rro.beta, {}
+        if not pairs and not sft_rows:
+            return {"pairs": 0.0}
+        return self.learner.preference_update(pairs, sft_rows, beta, weights, seed)
 
     async def evaluate(self, engine: RolloutEngine, iteration: int) -> dict[str, Any]:
         """Success and the rest on the training tasks and, if configured, held-out ones."""

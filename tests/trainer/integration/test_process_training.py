@@ -150,3 +150,67 @@ def test_unknown_process_method_is_refused():
         _cfg(process={"method": "magic"})
     with pytest.raises(ValueError, match="unknown"):
         _cfg(process={"method": "agentprm", "agentprm": {"gama": 0.9}})
+
+
+ONE_WORD = {"env_config": {"size": 4, "max_actions_per_turn": 1}}   # the expert answers a word a turn
+
+
+def test_ipr_builds_step_and_outcome_pairs_on_the_experts_trajectories(server, tmp_path):
+    before = set(_live(server.address))
+    cfg = _cfg(env=ONE_WORD, process={"method": "ipr", "ipr": {"rollouts_per_step": 3}},
+               update={"lr": 1e-3, "micro_batch_size": 16, "kl_coef": 0.0})
+    trainer, start, records = _run(cfg, server, tmp_path)
+    for r in records:
+        p, u = r["process"], r["update"]
+        # 2 tasks with expert trajectories; the random policy proposes other steps than the expert's
+        # at some of them, and forked rollouts after each side separate some of those.
+        assert p["expert_tasks"] == 2 and p["alternatives"] > 0 and p["mc_failed"] == 0
+        assert p["step_pairs"] > 0 and p["outcome_pairs"] > 0
+        assert p["expert_wins"] <= p["step_pairs"]
+        assert u["pairs"] == p["step_pairs"] + p["outcome_pairs"] and u["sft_rows"] > 0
+        assert all(torch_finite(v) for v in u.values())
+    assert weights_digest(trainer.learner.model) != start
+    assert set(_live(server.address)) <= before
+
+
+def test_rro_searches_until_the_reward_rises_and_closes_its_sessions(server, tmp_path):
+    before = set(_live(server.address))
+    cfg = _cfg(env=ONE_WORD, process={"method": "rro", "rro": {"rollouts_per_prefix": 3, "max_candidates": 4}},
+               rollout={"max_turns": 6}, update={"lr": 1e-3, "micro_batch_size": 16, "kl_coef": 0.0})
+    trainer, start, records = _run(cfg, server, tmp_path)
+    for r in records:
+        p = r["process"]
+        assert p["walks"] == 2 and p["walks_failed"] == 0
+        # At least one candidate a step, at most max_candidates; a pair only where rewards differed.
+        assert 1.0 <= p["candidates_per_step"] <= 4.0
+        assert p["step_pairs"] <= p["steps_searched"]
+    assert sum(r["process"]["step_pairs"] for r in records) > 0
+    assert set(_live(server.address)) <= before
+
+
+def test_preference_update_moves_the_policy_towards_the_chosen_side(server, tmp_path):
+    from envserve_trainer.learner import Learner
+    from envserve_trainer.distributed import Dist
+    from envserve_trainer.process.dpo import PreferencePair, side_logprobs
+    from envserve_trainer.train import build_policy_model
+    import copy
+    cfg = _cfg(update={"lr": 3e-3, "micro_batch_size": 8, "kl_coef": 0.0, "epochs": 8})
+    model, tok = build_policy_model(cfg, "cpu", Connection(env_address=server.address))
+    reference = copy.deepcopy(model)
+    learner = Learner(model, tok, cfg, Dist.from_env("cpu"), reference=reference)
+    ids = lambda w: tok(w, add_special_tokens=False)["input_ids"]
+    prompt = ids("the player is left of the goal")
+    pairs = [PreferencePair("step", [(prompt, ids("Right"))], [(prompt, ids("Left"))]),
+             PreferencePair("outcome", [(prompt, ids("Right")), (prompt, ids("Down"))],
+                            [(prompt, ids("Left")), (prompt, ids("Up"))])]
+    stats = learner.preference_update(pairs, sft_rows=[(prompt, ids("Right"))], beta=0.1)
+    assert stats["pairs"] == 2 and stats["step_loss"] > 0 and stats["outcome_loss"] > 0
+    with __import__("torch").no_grad():
+        pc, pr, rc, rr = side_logprobs(learner.model, reference, pairs, pad_token_id=learner.pad_token_id)
+    # Both pairs now prefer their chosen side more than the reference does.
+    assert ((pc - rc) - (pr - rr) > 0).all()
+
+
+def torch_finite(v) -> bool:
+    import math
+    return math.isfinite(float(v))

@@ -113,3 +113,42 @@ def score_pairs(model, reference, prompt_ids: Sequence[Sequence[int]], chosen_id
     chosen_mask = _action_mask(keep[:n], chosen_action_masks)
     rejected_mask = _action_mask(keep[n:], rejected_action_masks)
     return (ScoredTokens(logp[:n], ref[:n], chosen_mask), ScoredTokens(logp[n:], ref[n:], rejected_mask))
+
+
+# -- pairs of multi-turn sides (the learner's preference update) -------------------------------------
+class PreferencePair(NamedTuple):
+    """One preference: each side is a list of (prompt ids, completion ids) rows, one per policy call
+    (a step pair has one row a side, an outcome pair a whole trajectory's turns); a side's sequence
+    log-prob is the sum over its rows, so a multi-turn trajectory is scored in the layout it was
+    sampled in, each turn's context given."""
+    kind: str                                         # "outcome" or "step"
+    chosen: Sequence[tuple[Sequence[int], Sequence[int]]]
+    rejected: Sequence[tuple[Sequence[int], Sequence[int]]]
+
+
+def side_logprobs(model, reference, pairs: Sequence[PreferencePair], **scoring) -> tuple[torch.Tensor, ...]:
+    """(policy chosen, policy rejected, reference chosen, reference rejected) sequence log-probs, [P]
+    each: every row of every side in one sequence_logprobs call per model, summed per side."""
+    rows, side = [], []
+    for i, p in enumerate(pairs):
+        for s, rows_of in ((2 * i, p.chosen), (2 * i + 1, p.rejected)):
+            if not rows_of:
+                raise ValueError(f"pair {i} has an empty side")
+            rows += list(rows_of)
+            side += [s] * len(rows_of)
+    prompts, completions = [r[0] for r in rows], [r[1] for r in rows]
+    logp, keep = sequence_logprobs(model, prompts, completions, **scoring)
+    with torch.no_grad():
+        ref, _ = sequence_logprobs(reference, prompts, completions, **scoring)
+    index = torch.as_tensor(side, device=logp.device)
+    per_row = sequence_logprob(logp, keep)
+    per_row_ref = sequence_logprob(ref, keep)
+    sums = torch.zeros(2 * len(pairs), dtype=per_row.dtype, device=logp.device).index_add(0, index, per_row)
+    sums_ref = torch.zeros_like(sums).index_add(0, index, per_row_ref.to(sums.dtype))
+    return sums[0::2], sums[1::2], sums_ref[0::2], sums_ref[1::2]
+
+
+def rows_sft_loss(model, rows: Sequence[tuple[Sequence[int], Sequence[int]]], **scoring) -> torch.Tensor:
+    """Token-mean NLL of the completions of (prompt, completion) rows (IPR's SFT term on the expert)."""
+    logp, keep = sequence_logprobs(model, [r[0] for r in rows], [r[1] for r in rows], **scoring)
+    return sft_loss(logp, keep)

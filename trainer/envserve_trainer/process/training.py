@@ -18,6 +18,7 @@ actions, within its task group, so equal (s, a) pairs pool their returns.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from collections import defaultdict, deque
@@ -28,10 +29,12 @@ import torch
 
 from ..config import TrainConfig
 from ..prompting import ChatLayout
+from ..rollout import turn_seed
 from ..samples import usable
 from ..trajectory import Episode, Trial, Turn
 from . import agentprm, inverse_prm, progrm
-from .montecarlo import MCSettings, chat_policy, estimate, prefix_points
+from .dpo import PreferencePair
+from .montecarlo import MCSettings, StatePoint, chat_policy, estimate, prefix_points
 from .reward_model import StepScorer
 
 log = logging.getLogger(__name__)
@@ -59,6 +62,7 @@ class Context:
     policy: Any                 # the rollout policy (HFPolicy over the live weights)
     system_prompt: str
     iteration: int
+    admissible: str = ""        # GetSpec's action space, as the rollout's contexts show it
 
 
 class ProcessMethod:
@@ -72,8 +76,24 @@ class ProcessMethod:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.scorer = StepScorer(policy_model, int(pad), p.prm_lr, p.prm_buffer, p.prm_batch_size, seed)
 
+    # A method that trains on preference pairs (the DPO family) sets this; the trainer then calls
+    # pairs() and the learner's preference_update instead of annotate() and the PG update.
+    preference = False
+
     async def annotate(self, trials: Sequence[Trial], ctx: Context) -> dict[str, float]:
         raise NotImplementedError
+
+    def _rollout_policy(self, ctx: Context, salt: int = 0):
+        """The continuation policy of the Monte-Carlo estimates: the live policy on each rollout's
+        current observation (montecarlo.chat_policy), sampling at process.mc_temperature."""
+        ro, p = self.cfg.rollout, self.cfg.process
+        return chat_policy(ctx.policy, ctx.system_prompt, ro.max_new_tokens, p.mc_temperature, ro.top_p,
+                           seed=self.cfg.run.seed * 7919 + ctx.iteration * 104_729 + salt,
+                           response_prefix=ro.response_prefix, response_suffix=ro.response_suffix)
+
+    def _mc(self, rollouts: int, gamma: float = 1.0) -> MCSettings:
+        p = self.cfg.process
+        return MCSettings(rollouts_per_state=rollouts, gamma=gamma, horizon=p.mc_horizon, max_alive=p.mc_max_alive)
 
     def _set_rewards(self, turns: Sequence[Turn], rewards: Sequence[float]) -> float:
         """Process rewards onto the turns, less their mean when process.center_reward is set;
@@ -126,13 +146,9 @@ class AgentPRM(ProcessMethod):
             points += prefix_points(env.env_id, ep.task_seed, actions, env.env_config, env.action_format, ep.split,
                                     turns=[t])
             firsts.append(actions[t])
-        ro = self.cfg.rollout
-        policy = chat_policy(ctx.policy, ctx.system_prompt, ro.max_new_tokens, p.mc_temperature, ro.top_p,
-                             seed=self.cfg.run.seed * 7919 + ctx.iteration, response_prefix=ro.response_prefix,
-                             response_suffix=ro.response_suffix)
-        settings = MCSettings(rollouts_per_state=p.mc_rollouts, gamma=self.cfg.process.agentprm.gamma,
-                              horizon=p.mc_horizon, max_alive=p.mc_max_alive)
-        values = await estimate(ctx.client, points, policy, settings, by="fork", first_actions=firsts)
+        values = await estimate(ctx.client, points, self._rollout_policy(ctx),
+                                self._mc(p.mc_rollouts, self.cfg.process.agentprm.gamma), by="fork",
+                                first_actions=firsts)
         pairs = [(ret, c[4]) for c, v in zip(chosen, values) if not v.failed for ret in v.returns]
         failed = sum(1 for v in values if v.failed)
         if failed:
@@ -332,7 +348,204 @@ class ProgRM(ProcessMethod):
                 "process_reward_mean": _mean([t.process_reward for t in turns])}
 
 
-def build_method(cfg: TrainConfig, policy_model, tokenizer, sync_client=None) -> ProcessMethod | None:
+# -- the DPO family: IPR and RRO -------------------------------------------------------------------------
+def _completion_text(ids: Sequence[int], tokenizer) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+class _PreferenceMethod(ProcessMethod):
+    preference = True
+
+    def __init__(self, cfg, policy_model, tokenizer, allowed_ids: Sequence[int] | None = None, seed: int = 0):
+        # No step scorer: the DPO family scores with the policy and the reference themselves.
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.allowed = None if allowed_ids is None else set(int(i) for i in allowed_ids)
+        self.generating = asyncio.Lock()     # one policy call at a time (one model), as the rollout does
+
+    def fits(self, completion_ids: Sequence[int]) -> bool:
+        """Whether the policy can produce these tokens at all: with a restricted vocabulary
+        (rollout.allowed_words) a demonstration's other tokens would score log 0 = -inf."""
+        return self.allowed is None or all(int(t) in self.allowed for t in completion_ids)
+
+    def _as_sampled(self, completion_ids: Sequence[int], stop: int) -> list[int]:
+        """A demonstration's completion as the policy would sample it: without the stop token where
+        the restricted vocabulary leaves it out (a one-token answer ends by the token limit)."""
+        ids = list(completion_ids)
+        if self.allowed is not None and ids and ids[-1] == stop and stop not in self.allowed:
+            ids = ids[:-1]
+        return ids
+
+    async def _generate(self, ctx: Context, prompt_ids: list[list[int]], seeds: list[int]):
+        ro = self.cfg.rollout
+        async with self.generating:
+            return await asyncio.to_thread(ctx.policy.generate_from_ids, prompt_ids, ro.max_new_tokens,
+                                           ro.temperature, ro.top_p, row_seeds=seeds)
+
+    def _answer(self, gen) -> str:
+        ro = self.cfg.rollout
+        return ro.response_prefix + gen.text + ro.response_suffix
+
+    async def pairs(self, trials: Sequence[Trial], ctx: Context) -> tuple[list, list, dict[str, float]]:
+        """(preference pairs, SFT rows, metrics) for this iteration."""
+        raise NotImplementedError
+
+
+class IPR(_PreferenceMethod):
+    """IPR: along each task's expert trajectory, the policy proposes an alternative at every step;
+    m forked rollouts after the expert's step and m after the alternative compare them; a clear
+    winner gives a step pair (the winning step's tokens chosen, the loser's rejected, in the
+    expert prefix's context). The expert trajectory against a failed policy trajectory of the same
+    task gives an outcome pair; the expert's turns are the SFT term."""
+    name = "ipr"
+    # Failed policy trajectories paired with each task's expert trajectory per iteration (ours).
+    OUTCOME_PAIRS_PER_TASK = 2
+
+    def __init__(self, cfg, policy_model, tokenizer, demonstrations: Sequence[dict], allowed_ids=None, seed=0):
+        super().__init__(cfg, policy_model, tokenizer, allowed_ids, seed)
+        from ..collect import replay_episode
+        layout = ChatLayout(tokenizer)
+        self.expert: dict[int, tuple[list[str], list[tuple[list[int], list[int]]]]] = {}
+        for r in demonstrations:
+            if not r["success"] or int(r["seed"]) in self.expert:
+                continue
+            rows = [(x.prompt_ids, self._as_sampled(x.completion_ids, layout.stop_token_id))
+                    for x in replay_episode(layout, r, cfg)]
+            if rows and all(self.fits(c) for _, c in rows):
+                self.expert[int(r["seed"])] = ([t["answer"] for t in r["turns"]], rows)
+        if not self.expert:
+            raise ValueError("ipr: no successful demonstration the policy's vocabulary can express (with "
+                             "rollout.allowed_words, set env_config max_actions_per_turn to 1 so the expert "
+                             "answers one word a turn)")
+
+    async def pairs(self, trials, ctx):
+        from .ipr import ipr_step_pairs
+        env, ic = self.cfg.env, self.cfg.process.ipr
+        by_task: dict[int, list[Episode]] = defaultdict(list)
+        for ep in _episodes(trials):
+            by_task[ep.task_seed].append(ep)
+        tasks = [seed for seed in dict.fromkeys(ep.task_seed for tr in trials for ep in tr.episodes)
+                 if seed in self.expert]
+        out, sft = [], []
+        for seed in tasks:
+            _, rows = self.expert[seed]
+            sft += rows
+            failed = [ep for ep in by_task.get(seed, []) if not ep.success][:self.OUTCOME_PAIRS_PER_TASK]
+            out += [PreferencePair("outcome", rows, [(t.prompt_ids, t.completion_ids) for t in ep.turns])
+                    for ep in failed]
+        # The policy's alternative at every expert step (one batch), then Q of both by Fork.
+        steps = [(seed, t) for seed in tasks for t in range(len(self.expert[seed][1]))]
+        gens = await self._generate(ctx, [self.expert[s][1][t][0] for s, t in steps],
+                                    [turn_seed(self.cfg.run.seed, ctx.iteration, "ipr", s, t) for s, t in steps])
+        points, firsts, which = [], [], []
+        for (seed, t), gen in zip(steps, gens):
+            answers, rows = self.expert[seed]
+            if list(gen.completion_token_ids) == list(rows[t][1]):
+                continue        # the policy already takes the expert's step: nothing to compare
+            point = prefix_points(env.env_id, seed, answers, env.env_config, env.action_format, env.split, turns=[t])[0]
+            points += [point, point]
+            firsts += [answers[t], self._answer(gen)]
+            which.append((seed, t, list(gen.completion_token_ids)))
+        values = await estimate(ctx.client, points, self._rollout_policy(ctx, 1), self._mc(ic.rollouts_per_step),
+                                by="fork", first_actions=firsts) if points else []
+        expert_returns = [values[2 * i].returns if not values[2 * i].failed else [] for i in range(len(which))]
+        alt_returns = [values[2 * i + 1].returns if not values[2 * i + 1].failed else [] for i in range(len(which))]
+        step_pairs = ipr_step_pairs(expert_returns, alt_returns, ic.margin, ic.both_directions)
+        for sp in step_pairs:
+            seed, t, alt_ids = which[sp.step]
+            prompt, expert_ids = self.expert[seed][1][t]
+            win, lose = (expert_ids, alt_ids) if sp.chosen == "expert" else (alt_ids, expert_ids)
+            out.append(PreferencePair("step", [(prompt, win)], [(prompt, lose)]))
+        metrics = {"expert_tasks": float(len(tasks)), "alternatives": float(len(which)),
+                   "step_pairs": float(len(step_pairs)), "outcome_pairs": float(sum(p.kind == "outcome" for p in out)),
+                   "expert_wins": float(sum(sp.chosen == "expert" for sp in step_pairs)),
+                   "mc_failed": float(sum(v.failed for v in values)),
+                   "mc_env_steps": float(sum(v.env_steps for v in values))}
+        return out, sft, metrics
+
+
+class RRO(_PreferenceMethod):
+    """RRO: one walk per task in a live session; at each step candidates are sampled one at a time
+    and scored by the mean outcome of m forked rollouts after each, until one's reward reaches the
+    previous step's (V(s_0) at the first step); the best and worst seen form a step pair; the
+    accepted candidate (or the best) is stepped and the walk goes on."""
+    name = "rro"
+
+    async def _walk(self, ctx: Context, seed: int, split: str, searches: list, out: list) -> bool:
+        from ..prompting import ContextBuilder
+        from .rro import reward_rising_search
+        env, ro, rc = self.cfg.env, self.cfg.rollout, self.cfg.process.rro
+        (sid,) = await ctx.client.open(env.env_id, 1, env.env_config or None, env.action_format)
+        try:
+            (result,) = await ctx.client.reset([sid], [seed], split=split)
+            builder = ContextBuilder(ChatLayout(self.tokenizer), ctx.system_prompt, ro.template, ro.history_turns,
+                                     ro.response_prefix, ro.response_suffix, ctx.admissible)
+            builder.new_episode("")
+            answers: list[str] = []
+            policy = self._rollout_policy(ctx, 2 + seed)
+            settings = self._mc(rc.rollouts_per_prefix)
+
+            def point():
+                return StatePoint(sid, env.env_id, seed, tuple(answers), dict(env.env_config), env.action_format,
+                                  result, split)
+
+            (v0,) = await estimate(ctx.client, [point()], policy, settings, by="fork")
+            if v0.failed:
+                raise RuntimeError(v0.error)
+            previous = v0.value
+            limit = ro.max_turns or 10_000
+            while not (result.done or result.truncated) and len(answers) < limit:
+                prompt_ids, user_ids = builder.prompt_ids(result.observation.text, result.turn)
+                candidates, rewards = [], []
+                while True:
+                    k = len(candidates)
+                    (gen,) = await self._generate(ctx, [prompt_ids], [turn_seed(self.cfg.run.seed, ctx.iteration,
+                                                                                "rro", seed, len(answers), k)])
+                    (v,) = await estimate(ctx.client, [point()], policy, settings, by="fork",
+                                          first_actions=[self._answer(gen)])
+                    if v.failed:
+                        raise RuntimeError(v.error)
+                    candidates.append(gen)
+                    rewards.append(v.value)
+                    if v.value >= previous or len(rewards) == rc.max_candidates:
+                        break
+                search = reward_rising_search(rewards, previous, rc.max_candidates)
+                searches.append(search)
+                if search.pair is not None:
+                    best, worst = search.pair
+                    out.append(PreferencePair("step", [(prompt_ids, list(candidates[best].completion_token_ids))],
+                                              [(prompt_ids, list(candidates[worst].completion_token_ids))]))
+                gen = candidates[search.chosen]
+                answer = self._answer(gen)
+                builder.record(result.observation.text, user_ids, list(gen.completion_token_ids), answer)
+                (result,) = await ctx.client.step([(sid, answer)])
+                if result.status.code:
+                    raise RuntimeError(result.status.message)
+                answers.append(answer)
+                previous = search.rewards[search.chosen]
+            return bool(result.success)
+        finally:
+            with contextlib.suppress(Exception):
+                await ctx.client.close_sessions([sid])
+
+    async def pairs(self, trials, ctx):
+        from .rro import mean_explored
+        tasks = list(dict.fromkeys((ep.task_seed, ep.split) for tr in trials for ep in tr.episodes))
+        searches: list = []
+        out: list = []
+        walks = await asyncio.gather(*(self._walk(ctx, seed, split, searches, out) for seed, split in tasks),
+                                     return_exceptions=True)
+        errors = [w for w in walks if isinstance(w, BaseException)]
+        if errors:
+            log.warning("rro: %d of %d walks failed (%s)", len(errors), len(walks), errors[0])
+        return out, [], {"walks": float(len(walks) - len(errors)), "walks_failed": float(len(errors)),
+                         "walk_success": _mean([float(w) for w in walks if not isinstance(w, BaseException)]),
+                         "steps_searched": float(len(searches)), "step_pairs": float(len(out)),
+                         "candidates_per_step": mean_explored(searches)}
+
+
+def build_method(cfg: TrainConfig, policy_model, tokenizer, sync_client=None,
+                 allowed_ids: Sequence[int] | None = None) -> ProcessMethod | None:
     """The configured method (None for process.method ""); InversePRM's demonstrations come from
     process.demos, or are played live through `sync_client` (a blocking EnvClient/RoutedClient)."""
     method, seed = cfg.process.method, cfg.run.seed
@@ -342,13 +555,18 @@ def build_method(cfg: TrainConfig, policy_model, tokenizer, sync_client=None) ->
         return AgentPRM(cfg, policy_model, tokenizer, seed)
     if method == "progrm":
         return ProgRM(cfg, policy_model, tokenizer, seed)
-    if method == "inverse_prm":
+    if method == "rro":
+        return RRO(cfg, policy_model, tokenizer, allowed_ids, seed)
+    if method in ("inverse_prm", "ipr"):
         if cfg.process.demos:
             from ..collect import load_records
             records = load_records(cfg.process.demos)
         else:
             if sync_client is None:
-                raise ValueError("inverse_prm needs demonstrations: process.demos, or a client to play the expert")
-            records = play_demonstrations(sync_client, cfg, cfg.process.expert_episodes)
+                raise ValueError(f"{method} needs demonstrations: process.demos, or a client to play the expert")
+            count = cfg.process.expert_episodes if method == "inverse_prm" else cfg.env.num_tasks
+            records = play_demonstrations(sync_client, cfg, count)
+        if method == "ipr":
+            return IPR(cfg, policy_model, tokenizer, records, allowed_ids, seed)
         return InversePRM(cfg, policy_model, tokenizer, records, seed)
     raise ValueError(f"process.method {method!r} has no training step in this module")
