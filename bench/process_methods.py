@@ -2,8 +2,9 @@
 
 Each run starts from the same tiny random-weight model (same seed) and trains for the same number
 of iterations through a real envserve server: GRPO (the bundled frozenlake_grpo.yaml), REINFORCE++
-with the env's reward only, and AgentPRM, InversePRM and ProgRM (frozenlake_<method>.yaml, all on
-REINFORCE++), so the effect of a process reward is the difference to the REINFORCE++ run.
+with the env's reward only, AgentPRM, InversePRM and ProgRM (frozenlake_<method>.yaml, on
+REINFORCE++: their effect is the difference to the REINFORCE++ run), and IPR and RRO (DPO on pairs
+from forked rollouts instead of a policy gradient: compare with GRPO).
 
     .venv/bin/python bench/process_methods.py --iterations 30 --output-dir runs/process-methods --json
 
@@ -30,6 +31,8 @@ RUNS = {
     "agentprm": ("frozenlake_agentprm.yaml", {}),
     "inverse_prm": ("frozenlake_inverse_prm.yaml", {}),
     "progrm": ("frozenlake_progrm.yaml", {}),
+    "ipr": ("frozenlake_ipr.yaml", {}),
+    "rro": ("frozenlake_rro.yaml", {}),
 }
 
 

@@ -92,6 +92,9 @@ class ProgRMConfig(_FromMapping):
 class IPRConfig(_FromMapping):
     # m rollouts after the expert's step and after the alternative, each (ours: 5, a small MC budget).
     rollouts_per_step: int = 5
+    # Expert steps compared per trajectory, evenly spaced over it (ours; 0: every step). Long
+    # trajectories (ALFWorld's 10-30 turns) cost 2 m rollouts a step.
+    max_steps: int = 0
     # A step pair needs mean returns further apart than this (0: any strict difference).
     margin: float = 0.0
     # IPR keeps the pairs where the expert's step wins (the expert is the reference of good play);
@@ -106,6 +109,8 @@ class IPRConfig(_FromMapping):
     def __post_init__(self) -> None:
         if self.rollouts_per_step < 1:
             raise ValueError("IPRConfig.rollouts_per_step must be >= 1")
+        if self.max_steps < 0:
+            raise ValueError("IPRConfig.max_steps must be >= 0")
         if self.margin < 0:
             raise ValueError("IPRConfig.margin must be >= 0")
         _positive("IPRConfig", "beta", self.beta)

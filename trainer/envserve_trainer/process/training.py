@@ -245,8 +245,8 @@ def play_demonstrations(sync_client, cfg: TrainConfig, episodes: int) -> list[di
     env = cfg.env
     seeds = [env.seed_start + i % env.num_tasks for i in range(episodes)]
     admissible = sync_client.get_spec(env.env_id).action_space
-    played = play_expert(sync_client, env.env_id, seeds, env.action_format, config=env.env_config, split=env.split,
-                         max_turns=cfg.rollout.max_turns)
+    # The env's own turn limit, not the rollout's: a demonstration shows the task solved.
+    played = play_expert(sync_client, env.env_id, seeds, env.action_format, config=env.env_config, split=env.split)
     return [episode_record(e, admissible) for e in played]
 
 
@@ -391,6 +391,15 @@ class _PreferenceMethod(ProcessMethod):
         raise NotImplementedError
 
 
+def spaced(n: int, k: int) -> list[int]:
+    """k indices of range(n) evenly spaced, first and last included (all of them for k 0 or >= n)."""
+    if k <= 0 or k >= n:
+        return list(range(n))
+    if k == 1:
+        return [n - 1]
+    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
+
+
 class IPR(_PreferenceMethod):
     """IPR: along each task's expert trajectory, the policy proposes an alternative at every step;
     m forked rollouts after the expert's step and m after the alternative compare them; a clear
@@ -406,17 +415,23 @@ class IPR(_PreferenceMethod):
         from ..collect import replay_episode
         layout = ChatLayout(tokenizer)
         self.expert: dict[int, tuple[list[str], list[tuple[list[int], list[int]]]]] = {}
+        failed = unfit = 0
         for r in demonstrations:
-            if not r["success"] or int(r["seed"]) in self.expert:
+            if int(r["seed"]) in self.expert:
+                continue
+            if not r["success"]:
+                failed += 1
                 continue
             rows = [(x.prompt_ids, self._as_sampled(x.completion_ids, layout.stop_token_id))
                     for x in replay_episode(layout, r, cfg)]
-            if rows and all(self.fits(c) for _, c in rows):
-                self.expert[int(r["seed"])] = ([t["answer"] for t in r["turns"]], rows)
+            if not rows or not all(self.fits(c) for _, c in rows):
+                unfit += 1
+                continue
+            self.expert[int(r["seed"])] = ([t["answer"] for t in r["turns"]], rows)
         if not self.expert:
-            raise ValueError("ipr: no successful demonstration the policy's vocabulary can express (with "
-                             "rollout.allowed_words, set env_config max_actions_per_turn to 1 so the expert "
-                             "answers one word a turn)")
+            raise ValueError(f"ipr: no usable demonstration among {len(demonstrations)} ({failed} unsuccessful, "
+                             f"{unfit} with tokens outside rollout.allowed_words: with a restricted vocabulary "
+                             f"set env_config max_actions_per_turn to 1 so the expert answers one word a turn)")
 
     async def pairs(self, trials, ctx):
         from .ipr import ipr_step_pairs
@@ -434,7 +449,7 @@ class IPR(_PreferenceMethod):
             out += [PreferencePair("outcome", rows, [(t.prompt_ids, t.completion_ids) for t in ep.turns])
                     for ep in failed]
         # The policy's alternative at every expert step (one batch), then Q of both by Fork.
-        steps = [(seed, t) for seed in tasks for t in range(len(self.expert[seed][1]))]
+        steps = [(seed, t) for seed in tasks for t in spaced(len(self.expert[seed][1]), ic.max_steps)]
         gens = await self._generate(ctx, [self.expert[s][1][t][0] for s, t in steps],
                                     [turn_seed(self.cfg.run.seed, ctx.iteration, "ipr", s, t) for s, t in steps])
         points, firsts, which = [], [], []
