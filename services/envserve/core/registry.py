@@ -1,7 +1,10 @@
 """Environment registration by name.
 
-Built-in environments register an import path (so listing envs imports nothing heavy);
-third-party packages add entry points in the group `envserve.envs`, name -> "module:Class".
+Environments register an import path (so listing envs imports nothing heavy). Two entry-point
+groups feed the registry, so core never imports a concrete env: `envserve.registrations` names
+modules that call register() when imported (envserve's own: `envserve.envs`, whose __init__
+registers each built-in family where its packages are installed), and `envserve.envs` maps a name
+to "module:Class" directly (the simplest form for a third-party env).
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from typing import Type
 from .env import Environment
 
 ENTRY_POINT_GROUP = "envserve.envs"
+REGISTRATION_GROUP = "envserve.registrations"
 
 _PATHS: dict[str, str] = {}
 _CLASSES: dict[str, Type[Environment]] = {}
@@ -32,18 +36,22 @@ def _load_entry_points() -> None:
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
+    modules = metadata.entry_points(group=REGISTRATION_GROUP)
+    if not modules:
+        raise RuntimeError(f"no {REGISTRATION_GROUP!r} entry points: envserve's package metadata is missing "
+                           f"(install it, e.g. pip install -e ., rather than putting services/ on the path)")
+    for ep in modules:
+        importlib.import_module(ep.value)
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
         _PATHS.setdefault(ep.name, ep.value)
 
 
 def env_ids() -> list[str]:
-    _builtin()
     _load_entry_points()
     return sorted(set(_PATHS) | set(_CLASSES))
 
 
 def get_env_class(env_id: str) -> Type[Environment]:
-    _builtin()
     _load_entry_points()
     if env_id in _CLASSES:
         return _CLASSES[env_id]
@@ -55,6 +63,3 @@ def get_env_class(env_id: str) -> Type[Environment]:
     return cls
 
 
-def _builtin() -> None:
-    # Imported here, not at module load, so envs can import core freely.
-    import envserve.envs  # noqa: F401  (its __init__ registers the built-in families)

@@ -4,6 +4,8 @@ Rows grow downwards and columns to the right, as in the text grids.
 """
 from __future__ import annotations
 
+from envserve.common.naming import indexed_names  # noqa: F401  (re-exported: the envs name objects with it)
+
 
 def grid_relation(name: str, pos: tuple[int, int], ref: tuple[int, int], ref_name: str = "the player") -> str:
     """E.g. 'box0 is above and on the left side of the player',
@@ -21,6 +23,3 @@ def grid_relation(name: str, pos: tuple[int, int], ref: tuple[int, int], ref_nam
     return f"{name} is {vertical} and {side} {ref_name}"
 
 
-def indexed_names(kind: str, count: int) -> list[str]:
-    """'target' for one object, 'target0', 'target1', ... for several."""
-    return [kind] if count == 1 else [f"{kind}{i}" for i in range(count)]

@@ -30,6 +30,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from envserve.common.naming import indexed_names
+
 GRID, NAVIGATION, PRIMITIVE_SKILL = "grid", "navigation", "primitive_skill"
 FAMILIES = (GRID, NAVIGATION, PRIMITIVE_SKILL)
 
@@ -150,8 +152,7 @@ GRID_LIST_KEYS = {"boxes": "box", "targets": "target", "holes": "hole"}
 
 
 def indexed(kind: str, count: int) -> list[str]:
-    """The env's own naming (envserve.core.relations.indexed_names): 'box' or 'box0', 'box1', ..."""
-    from envserve.core.relations import indexed_names
+    """The env's own naming (envserve.common.naming): 'box' or 'box0', 'box1', ..."""
     return indexed_names(kind, count)
 
 
