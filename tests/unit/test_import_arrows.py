@@ -30,7 +30,8 @@ ALLOWED: dict[str, set[str]] = {
     "demo": {"client"},
     "containers": {"directory"},
     "package": set(),                       # envserve/__init__.py: the version only
-    "trainer": {"client"},
+    # The trainer reaches envserve through the client; common's HTTP retry loop it shares with the judge.
+    "trainer": {"client", "common"},
 }
 # The command line is the composition root: it starts servers, the judge, the facade and clients.
 ROOTS = {"cli"}

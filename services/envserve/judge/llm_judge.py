@@ -18,7 +18,8 @@ token bucket holding one token that refills at `requests_per_second` (so attempt
 1/rps apart, retries included); `timeout_s` per attempt. Retried, up to `max_retries` times: connect
 errors, timeouts, 408, 409, 429 and 5xx, after Retry-After when the endpoint sends one, else after
 an exponential backoff with jitter (base * 2^n, capped, drawn from [d/2, d]). Other 4xx are not
-retried: asking again will not fix a bad request or a wrong key.
+retried: asking again will not fix a bad request or a wrong key. The retry loop is
+envserve.common.http_retry, the one the trainer's OpenAI-compatible backend uses too.
 
 No client-side micro-batching. The chat-completions API takes one conversation per request, and the
 servers a judge model runs on batch concurrent requests on the accelerator themselves (continuous
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import email.utils
 import hashlib
 import json
 import os
@@ -48,8 +48,10 @@ from typing import Any, Mapping
 
 import httpx
 
-from .base import JudgeError, JudgeInput, Judgment
 from envserve.client.settings import typed_fields
+from envserve.common.http_retry import Counters, RetryPolicy, post_with_retries
+
+from .base import JudgeError, JudgeInput, Judgment
 
 from .config import JudgeConfig
 from .prompts import (Prompt, claim_family, claims_from_atoms, prompt_family, structured_prompt,
@@ -58,7 +60,6 @@ from .rule_judge import FIELDS, WORLD_MODELING, RuleJudge, _truth_parts
 
 YESNO, STRUCTURED = "yesno", "structured"
 MODES = (YESNO, STRUCTURED)
-_RETRY_STATUS = {408, 409, 429}
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Kept in a Judgment's details and reasoning: enough to see what the model said, bounded.
 _REPLY_CHARS = 2000
@@ -199,22 +200,6 @@ class _TokenBucket:
             return wait
 
 
-def _retry_after(response: httpx.Response) -> float | None:
-    """Retry-After in seconds (a number or an HTTP date), None when absent or unreadable."""
-    value = response.headers.get("retry-after")
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
-
-
 _STATUS_CODE = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
                 413: "INVALID_ARGUMENT", 422: "INVALID_ARGUMENT"}
 
@@ -242,9 +227,9 @@ class LLMJudge:
         self._bucket: _TokenBucket | None = None
         self._cache: OrderedDict[str, Judgment] = OrderedDict()
         self._inflight: dict[str, asyncio.Task] = {}
-        self._in_flight = 0
-        self._stats = {"judged": 0, "requests": 0, "completions": 0, "retries": 0, "cache_hits": 0, "shared": 0,
-                       "parse_failures": 0, "failures": 0, "peak_in_flight": 0, "rate_limit_wait_s": 0.0}
+        self._requests = Counters()
+        self._stats = {"judged": 0, "completions": 0, "cache_hits": 0, "shared": 0,
+                       "parse_failures": 0, "failures": 0, "rate_limit_wait_s": 0.0}
 
     # -- Judge protocol ---------------------------------------------------------------------------------
     def supports(self, env_id: str, state: Mapping[str, Any] | None = None) -> bool:
@@ -288,7 +273,9 @@ class LLMJudge:
         self._slots = self._bucket = None
 
     def stats(self) -> dict[str, Any]:
-        return {**self._stats, "in_flight": self._in_flight, "cache_entries": len(self._cache)}
+        r = self._requests
+        return {**self._stats, "requests": r.requests, "retries": r.retries, "peak_in_flight": r.peak_in_flight,
+                "in_flight": r.in_flight, "cache_entries": len(self._cache)}
 
     # -- cache ------------------------------------------------------------------------------------------
     def _cache_get(self, key: str) -> Judgment | None:
@@ -372,44 +359,23 @@ class LLMJudge:
         body = {"model": self.config.model, "messages": list(prompt.messages),
                 "temperature": self.config.temperature, "max_tokens": self.config.max_tokens}
         slots, bucket, client = self._controls()
-        last = ""
-        for attempt in range(self.config.max_retries + 1):
-            retry_after: float | None = None
-            async with slots:
-                if bucket is not None:
-                    waited = await bucket.take()   # awaited first: `+= await` would lose concurrent sums
-                    self._stats["rate_limit_wait_s"] += waited
-                self._in_flight += 1
-                self._stats["peak_in_flight"] = max(self._stats["peak_in_flight"], self._in_flight)
-                self._stats["requests"] += 1
-                try:
-                    response = await client.post(self._url, json=body)
-                except httpx.TransportError as e:   # connect errors and timeouts
-                    response, last = None, f"{type(e).__name__}: {e}"
-                finally:
-                    self._in_flight -= 1
-            if response is not None:
-                if response.status_code == 200:
-                    return self._reply(response, attempt)
-                last = f"HTTP {response.status_code}: {response.text[:200]}"
-                if response.status_code < 500 and response.status_code not in _RETRY_STATUS:
-                    raise JudgeError(_STATUS_CODE.get(response.status_code, "FAILED_PRECONDITION"),
-                                     f"judge endpoint {self._url} refused the request: {last}")
-                retry_after = _retry_after(response)
-            if attempt == self.config.max_retries:
-                break
-            if retry_after is not None and retry_after > self.config.backoff_max_s:
-                last += f" (asks to wait {retry_after:.0f} s, more than backoff_max_s)"
-                break
-            delay = retry_after if retry_after is not None else self._backoff(attempt)
-            self._stats["retries"] += 1
-            await asyncio.sleep(delay)
-        code = "RESOURCE_EXHAUSTED" if last.startswith("HTTP 429") else "UNAVAILABLE"
-        raise JudgeError(code, f"judge endpoint {self._url} failed after {attempt + 1} attempt(s): {last}")
 
-    def _backoff(self, attempt: int) -> float:
-        d = min(self.config.backoff_max_s, self.config.backoff_base_s * 2 ** attempt)
-        return self._rng.uniform(d / 2, d)
+        async def rate_limit() -> None:
+            if bucket is not None:
+                waited = await bucket.take()   # awaited first: `+= await` would lose concurrent sums
+                self._stats["rate_limit_wait_s"] += waited
+
+        c = self.config
+        outcome = await post_with_retries(client, self._url, body, RetryPolicy(c.max_retries, c.backoff_base_s,
+                                                                               c.backoff_max_s),
+                                          slots=slots, counters=self._requests, rng=self._rng, before_send=rate_limit)
+        if outcome.response is not None:
+            return self._reply(outcome.response, outcome.attempts - 1)
+        if outcome.refused:
+            raise JudgeError(_STATUS_CODE.get(outcome.status, "FAILED_PRECONDITION"),
+                             f"judge endpoint {self._url} refused the request: {outcome.last}")
+        code = "RESOURCE_EXHAUSTED" if outcome.status == 429 else "UNAVAILABLE"
+        raise JudgeError(code, f"judge endpoint {self._url} failed after {outcome.attempts} attempt(s): {outcome.last}")
 
     def _reply(self, response: httpx.Response, attempt: int) -> tuple[str, dict[str, Any]]:
         try:

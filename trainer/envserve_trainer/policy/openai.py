@@ -17,7 +17,8 @@ the endpoint for the same draws every time. Servers differ in what they return:
 Retried, up to `max_retries` times: connect errors, timeouts, 408, 409, 429 and 5xx, after the
 server's Retry-After when it sends one (and it is within `backoff_max_s`), else after an exponential
 backoff with jitter (base * 2^n capped at backoff_max_s, drawn from [d/2, d]). Other 4xx fail at
-once with the server's message: asking again will not fix a wrong model name or key.
+once with the server's message: asking again will not fix a wrong model name or key. The retry loop
+is envserve.common.http_retry, shared with the LLM judge.
 
 The HTTP client lives on a private event loop in a background thread, so `generate` works from plain
 code and from inside someone else's event loop alike (`agenerate` awaits the same work without
@@ -26,22 +27,21 @@ blocking that loop).
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import os
 import random
 import re
 import secrets
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from envserve.client.settings import typed_fields
+# retry_after_s: re-exported, part of this module's tested surface before the loop moved to common.
+from envserve.common.http_retry import Counters, RetryPolicy, post_with_retries, retry_after_s  # noqa: F401
 
 from .base import FINISH_LENGTH, FINISH_STOP, Generation, Message, Weights
 from .hf import row_seed
 
-_RETRY_STATUS = frozenset({408, 409, 429})
 _TOKEN_ID = re.compile(r"^token_id:(-?\d+)$")
 # finish_reason values that mean the model ended its turn, and those that mean the budget ran out.
 _STOP_REASONS = frozenset({"stop", "eos", "end_turn", "stop_sequence"})
@@ -106,22 +106,6 @@ _OWN_FIELDS = frozenset({"model", "messages", "prompt", "max_tokens", "temperatu
                          "stream", "n"})
 
 
-def retry_after_s(headers: Mapping[str, str]) -> float | None:
-    """The Retry-After header in seconds (a number or an HTTP date); None when absent or unreadable."""
-    value = headers.get("retry-after")
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
-
-
 def finish_reason(value: Any) -> str:
     """The endpoint's finish_reason in this package's terms ("stop", "length"); others as given."""
     if value in _STOP_REASONS:
@@ -178,8 +162,8 @@ class OpenAIPolicy:
         self._slots: asyncio.Semaphore | None = None
         self._lock = threading.Lock()
         self._closed = False
-        self._in_flight = 0
-        self._stats = {"requests": 0, "completions": 0, "retries": 0, "failures": 0, "peak_in_flight": 0}
+        self._requests = Counters()
+        self._stats = {"completions": 0, "failures": 0}
 
     # -- the private loop ----------------------------------------------------------------------------
     def _ensure_loop(self) -> asyncio.AbstractEventLoop:
@@ -198,7 +182,9 @@ class OpenAIPolicy:
         return asyncio.run_coroutine_threadsafe(self._run(url, bodies, prompt_ids), loop)
 
     def stats(self) -> dict[str, int]:
-        return dict(self._stats, in_flight=self._in_flight)
+        r = self._requests
+        return dict(self._stats, requests=r.requests, retries=r.retries, peak_in_flight=r.peak_in_flight,
+                    in_flight=r.in_flight)
 
     # -- Policy ----------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[Message]], max_new_tokens: int, temperature: float = 1.0,
@@ -309,48 +295,22 @@ class OpenAIPolicy:
 
     async def _post(self, url: str, body: Mapping[str, Any]) -> tuple[Any, int]:
         """The decoded JSON of a 200 answer, with the number of attempts it took."""
-        httpx = self._httpx
         slots, client = self._controls()
-        last, status = "", None
-        for attempt in range(self.config.max_retries + 1):
-            wait: float | None = None
-            async with slots:
-                self._in_flight += 1
-                self._stats["peak_in_flight"] = max(self._stats["peak_in_flight"], self._in_flight)
-                self._stats["requests"] += 1
-                try:
-                    response = await client.post(url, json=body)
-                except httpx.TransportError as e:   # connect errors and timeouts
-                    response, last, status = None, f"{type(e).__name__}: {e}", None
-                finally:
-                    self._in_flight -= 1
-            if response is not None:
-                status = response.status_code
-                if status == 200:
-                    try:
-                        return response.json(), attempt + 1
-                    except ValueError:
-                        self._stats["failures"] += 1
-                        raise EndpointError(f"{url} answered 200 with a body that is not JSON: "
-                                            f"{response.text[:200]!r}", status, attempt + 1) from None
-                last = f"HTTP {status}: {response.text[:300]}"
-                if status < 500 and status not in _RETRY_STATUS:
-                    self._stats["failures"] += 1
-                    raise EndpointError(f"{url} refused the request: {last}", status, attempt + 1)
-                wait = retry_after_s(response.headers)
-            if attempt == self.config.max_retries:
-                break
-            if wait is not None and wait > self.config.backoff_max_s:
-                last += f" (asks to wait {wait:.0f} s, more than backoff_max_s)"
-                break
-            self._stats["retries"] += 1
-            await asyncio.sleep(wait if wait is not None else self._backoff(attempt))
+        c = self.config
+        outcome = await post_with_retries(client, url, body, RetryPolicy(c.max_retries, c.backoff_base_s, c.backoff_max_s),
+                                          slots=slots, counters=self._requests, rng=self._rng, detail_chars=300)
+        if outcome.response is not None:
+            try:
+                return outcome.response.json(), outcome.attempts
+            except ValueError:
+                self._stats["failures"] += 1
+                raise EndpointError(f"{url} answered 200 with a body that is not JSON: "
+                                    f"{outcome.response.text[:200]!r}", outcome.status, outcome.attempts) from None
         self._stats["failures"] += 1
-        raise EndpointError(f"{url} gave no completion after {attempt + 1} attempt(s): {last}", status, attempt + 1)
-
-    def _backoff(self, attempt: int) -> float:
-        d = min(self.config.backoff_max_s, self.config.backoff_base_s * 2 ** attempt)
-        return self._rng.uniform(d / 2, d)
+        if outcome.refused:
+            raise EndpointError(f"{url} refused the request: {outcome.last}", outcome.status, outcome.attempts)
+        raise EndpointError(f"{url} gave no completion after {outcome.attempts} attempt(s): {outcome.last}",
+                            outcome.status, outcome.attempts)
 
     def _generation(self, url: str, data: Any, prompt_ids: list[int], seed: int, attempts: int) -> Generation:
         try:
