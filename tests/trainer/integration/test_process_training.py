@@ -5,7 +5,6 @@ successes, progress labels, progress rewards), each for two iterations with the 
 from __future__ import annotations
 
 import asyncio
-import json
 
 import grpc
 import pytest
@@ -20,16 +19,12 @@ from envserve_trainer.process.training import ProgRM, action_key, transitions
 from envserve_trainer.train import Connection, Trainer
 from envserve_trainer.trajectory import Episode, Turn
 
-BASE = {
-    "env": {"env_id": "frozenlake", "env_config": {"size": 4}, "num_tasks": 2},
-    "rollout": {"group_size": 4, "tasks_per_iteration": 2, "history_turns": 0, "max_new_tokens": 1,
-                "response_prefix": "<answer>", "response_suffix": "</answer>",
-                "allowed_words": ["Left", "Down", "Right", "Up"]},
-    "algo": {"estimator": "reinforce_pp"},
-    "update": {"lr": 1e-3, "micro_batch_size": 16, "kl_coef": 0.01, "reference": "previous"},
-    "model": {"random_init": "tiny"},
-    "run": {"iterations": 2, "checkpoint_every": 0, "progress": False},
-}
+from test_training_e2e import FROZENLAKE_GRPO  # noqa: E402  (same folder: the e2e test's small run)
+
+# The e2e test's FrozenLake run, on REINFORCE++ (per-step rewards count) with KL to the previous policy.
+BASE = {**FROZENLAKE_GRPO, "algo": {"estimator": "reinforce_pp"},
+        "update": {**FROZENLAKE_GRPO["update"], "kl_coef": 0.01, "reference": "previous"},
+        "run": {"iterations": 2, "checkpoint_every": 0, "progress": False}}
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +34,7 @@ def server():
 
 
 def _cfg(**sections) -> TrainConfig:
-    data = json.loads(json.dumps(BASE))
-    for name, values in sections.items():
-        data.setdefault(name, {}).update(values)
-    return TrainConfig.from_mapping(data)
+    return TrainConfig.from_mapping(BASE).with_overrides(**sections)
 
 
 def _live(address: str) -> list[str]:
