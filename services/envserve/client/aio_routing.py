@@ -65,7 +65,7 @@ class AsyncRoutedClient(Router):
                 else:
                     ids, prompt = reply
                     opened.extend(ids)
-                    self._note_opened(rid, len(ids))
+                    self.note_opened(rid, len(ids))
         if len(opened) < count:
             await self.close_sessions(opened)
             raise last_error or UnavailableError(
@@ -91,7 +91,7 @@ class AsyncRoutedClient(Router):
         for (r, indices), reply in zip(plans, replies):
             if isinstance(reply, EnvServeError):
                 gone = reply.code == grpc.StatusCode.UNAVAILABLE and not await asyncio.to_thread(
-                    self._still_listed, r.replica_id)
+                    self.still_listed, r.replica_id)
                 reply = [self._unreachable(sid_of(items[i]), r, reply.code, reply.message, gone) for i in indices]
             elif isinstance(reply, BaseException):
                 raise reply
@@ -192,7 +192,7 @@ class RoutedStream:
             # The replica's stream broke: everything still in flight there fails, alone.
             code = e.code if isinstance(e, EnvServeError) else grpc.StatusCode.UNAVAILABLE
             gone = code == grpc.StatusCode.UNAVAILABLE and not await asyncio.to_thread(
-                self._client._still_listed, r.replica_id)
+                self._client.still_listed, r.replica_id)
             for ours, sid in self._pending.pop(r.replica_id, {}).items():
                 self._ready.put_nowait((ours, self._client._unreachable(sid, r, code, str(e), gone)))
             self._streams.pop(r.replica_id, None)

@@ -67,11 +67,18 @@ class Router:
                     self._opened_since_fetch.clear()
         return [r for r in self._known.values() if env_id is None or env_id in r.envs]
 
-    def _address(self, r: ReplicaInfo) -> str:
+    def address(self, r: ReplicaInfo) -> str:
+        """Where to reach a replica: its external address (published port) with use_external."""
         return (r.external_address or r.address) if self.use_external else r.address
 
+    def load(self, r: ReplicaInfo) -> int:
+        """Its live sessions as last heard, plus what this client opened there since (-1: unknown)."""
+        if r.live_sessions < 0:
+            return -1
+        return r.live_sessions + self._opened_since_fetch.get(r.replica_id, 0)
+
     def client_for(self, r: ReplicaInfo):
-        key = (r.replica_id, self._address(r))
+        key = (r.replica_id, self.address(r))
         with self._lock:
             c = self._clients.get(key)
             if c is None:
@@ -106,11 +113,13 @@ class Router:
             shares[rid] = shares.get(rid, 0) + 1
         return shares
 
-    def _note_opened(self, replica_id: str, n: int) -> None:
+    def note_opened(self, replica_id: str, n: int) -> None:
+        """Count n sessions opened on a replica until its next heartbeat reports them."""
         with self._lock:
             self._opened_since_fetch[replica_id] = self._opened_since_fetch.get(replica_id, 0) + n
 
-    def _still_listed(self, replica_id: str) -> bool:
+    def still_listed(self, replica_id: str) -> bool:
+        """After a replica stopped answering: is it still registered? (No: it is gone.)"""
         try:
             self.replicas(refresh=True)
         except DirectoryUnavailable:
@@ -123,7 +132,7 @@ class Router:
 
     def _unreachable(self, sid: str, r: ReplicaInfo, code: grpc.StatusCode, details: str, gone: bool):
         return self._lost(sid, r.replica_id) if gone else _item_failure(
-            sid, code, f"replica {r.replica_id} at {self._address(r)}: {details}")
+            sid, code, f"replica {r.replica_id} at {self.address(r)}: {details}")
 
 
 class RoutedClient(Router):
@@ -166,7 +175,7 @@ class RoutedClient(Router):
                 remaining -= len(resp.session_ids)
                 lease = min(lease, resp.lease_seconds) if lease else resp.lease_seconds
                 prompt = prompt or resp.system_prompt
-                self._note_opened(rid, len(resp.session_ids))
+                self.note_opened(rid, len(resp.session_ids))
         if remaining > 0:
             self.close_sessions(opened)
             if last_error is not None:
@@ -202,7 +211,7 @@ class RoutedClient(Router):
             except grpc.RpcError as e:
                 # The replica as a whole failed (down, or refusing the token): its items only.
                 # Unreachable and gone from the directory means dead: its sessions are lost.
-                gone = e.code() == grpc.StatusCode.UNAVAILABLE and not self._still_listed(r.replica_id)
+                gone = e.code() == grpc.StatusCode.UNAVAILABLE and not self.still_listed(r.replica_id)
                 for i in indices:
                     results[i] = self._unreachable(sid_of(items[i]), r, e.code(), e.details(), gone)
                 continue

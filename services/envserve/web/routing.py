@@ -1,5 +1,10 @@
 """The replicas behind the HTTP facade: from a directory and/or fixed addresses, one grpc.aio
-channel per replica, and which replica opens the next sessions."""
+channel per replica, and which replica opens the next sessions.
+
+The directory's replicas come through the client's Router (its cached list, liveness, address
+choice and the count of sessions opened since the last heartbeat), as every routed client reads
+them; this table adds what only the facade has: fixed addresses asked who they are, per-caller
+credentials, and MonitorService targets."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +15,7 @@ import time
 import grpc
 
 from envserve.client.client import make_channel
+from envserve.client.routing import Router
 from envserve.directory import DirectoryUnavailable, ReplicaInfo, open_directory
 from envserve.v1 import envserve_pb2 as pb
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
@@ -35,13 +41,12 @@ class ReplicaTable:
         if not directory_url and not addresses:
             raise ValueError("the facade needs a directory URL or replica addresses")
         self.directory = open_directory(directory_url) if directory_url else None
+        self.router = Router(self.directory, use_external=use_external, refresh_seconds=refresh_seconds) \
+            if self.directory is not None else None
         self.addresses = list(dict.fromkeys(addresses))
         self.root_certificates = root_certificates
-        self.use_external = use_external
         self.refresh_seconds = refresh_seconds
         self.timeout = timeout
-        self._listed: dict[str, ReplicaInfo] = {}  # the directory's last answer
-        self._listed_at = -1e9
         self._fixed: dict[str, ReplicaInfo] = {}  # address -> what its ListEnvs said
         self._probed_at: dict[str, float] = {}
         # address -> why a fixed replica could not be asked (down, or a token it refuses)
@@ -67,21 +72,14 @@ class ReplicaTable:
         return list(known.values())
 
     async def listed(self, refresh: bool = False) -> list[ReplicaInfo]:
-        """The directory's replicas; while it is unreachable the last list stands."""
-        if self.directory is None:
+        """The directory's replicas; while it is unreachable the last list stands (none before the first)."""
+        if self.router is None:
             return []
-        if refresh or time.monotonic() - self._listed_at >= self.refresh_seconds:
-            async with self._lock:
-                # Another request may have read it while this one waited for the lock.
-                if refresh or time.monotonic() - self._listed_at >= self.refresh_seconds:
-                    try:
-                        # Copies: load is counted up locally between heartbeats (opened()).
-                        self._listed = {r.replica_id: dataclasses.replace(r)
-                                        for r in await asyncio.to_thread(self.directory.replicas)}
-                    except DirectoryUnavailable as e:
-                        log.warning("directory unreachable, using the last replica list: %s", e)
-                    self._listed_at = time.monotonic()
-        return list(self._listed.values())
+        try:
+            return await asyncio.to_thread(self.router.replicas, None, refresh)
+        except DirectoryUnavailable as e:
+            log.warning("directory unreachable and no replica list yet: %s", e)
+            return []
 
     async def _probe_all(self, addresses, metadata) -> None:
         for address, info in zip(addresses, await asyncio.gather(*[self._probe(a, metadata) for a in addresses])):
@@ -144,11 +142,11 @@ class ReplicaTable:
 
     async def still_listed(self, replica_id: str) -> bool:
         """After a directory replica stopped answering: is it still registered? (No: it is gone.)"""
-        return any(r.replica_id == replica_id for r in await self.listed(refresh=True))
+        return self.router is not None and await asyncio.to_thread(self.router.still_listed, replica_id)
 
     # -- channels --------------------------------------------------------------------------------
     def address_of(self, r: ReplicaInfo) -> str:
-        return (r.external_address or r.address) if self.use_external and not self.is_fixed(r) else r.address
+        return r.address if self.is_fixed(r) or self.router is None else self.router.address(r)
 
     def stubs(self, r: ReplicaInfo) -> Stubs:
         return self.stubs_at(self.address_of(r), r.tls)
@@ -184,7 +182,7 @@ class ReplicaTable:
 
         def key(item):
             i, r = item
-            count = live.get(r.replica_id, r.live_sessions)
+            count = live[r.replica_id] if r.replica_id in live else self.router.load(r)
             if count is None or count < 0:
                 return (1, 0.0, (i + self._turn) % n)
             return (0, count / r.capacity if r.capacity > 0 else float(count), (i + self._turn) % n)
@@ -199,6 +197,6 @@ class ReplicaTable:
         return resp.total
 
     def opened(self, r: ReplicaInfo, count: int) -> None:
-        """Count sessions opened here until the next heartbeat reports them."""
-        if r.live_sessions >= 0:
-            r.live_sessions += count
+        """Count sessions opened on a directory replica until its next heartbeat reports them."""
+        if self.router is not None and not self.is_fixed(r):
+            self.router.note_opened(r.replica_id, count)
