@@ -84,6 +84,28 @@ def _components(result) -> dict[str, float]:
     return {k: float(v) for k, v in result.reward_components.items()}
 
 
+def record_step(episode: Episode, builder: ContextBuilder, result, max_turns: int = 0) -> Turn:
+    """A step's result onto the episode's last turn (the one that drove it) and the builder's last
+    history entry; marks the episode turn-limited when `max_turns` (0: none) cut it before the env did."""
+    turn = episode.turns[-1]
+    turn.observation = result.observation.text
+    turn.reward = float(result.reward)
+    turn.reward_components = _components(result)
+    turn.action_valid = bool(result.action_valid)
+    turn.parsed_actions = list(result.parsed_actions)
+    turn.reasoning = dict(result.reasoning)
+    turn.anchor = result.anchor
+    turn.transition = result.transition
+    turn.done, turn.truncated, turn.success = bool(result.done), bool(result.truncated), bool(result.success)
+    turn.feedback = result.feedback
+    builder.history[-1].feedback = result.feedback
+    if turn.reasoning.get("meta_tag") == "planning":
+        builder.plan = turn.reasoning.get("planning", "") or builder.plan
+    if not (turn.done or turn.truncated) and max_turns and len(episode.turns) >= max_turns:
+        episode.turn_limited = True
+    return turn
+
+
 class RolloutEngine:
     """Collects trials from an envserve client (AsyncEnvClient or AsyncRoutedClient) with a policy."""
 
@@ -264,25 +286,8 @@ class RolloutEngine:
             run.trial.episodes.append(run.episode)
             run.builder.new_episode(self._memory_text(run))
         else:
-            turn = run.episode.turns[-1]
-            turn.observation = obs
-            turn.reward = float(result.reward)
-            turn.reward_components = _components(result)
-            turn.action_valid = bool(result.action_valid)
-            turn.parsed_actions = list(result.parsed_actions)
-            turn.reasoning = dict(result.reasoning)
-            turn.anchor = result.anchor
-            turn.transition = result.transition
-            turn.done, turn.truncated, turn.success = bool(result.done), bool(result.truncated), bool(result.success)
-            turn.feedback = result.feedback
-            hist = run.builder.history[-1]
-            hist.feedback = result.feedback
-            if turn.reasoning.get("meta_tag") == "planning":
-                run.builder.plan = turn.reasoning.get("planning", "") or run.builder.plan
             ep = run.episode
-            limit = ro.max_turns and len(ep.turns) >= ro.max_turns
-            if not (turn.done or turn.truncated) and limit:
-                ep.turn_limited = True
+            turn = record_step(ep, run.builder, result, ro.max_turns)
             if turn.done or turn.truncated or ep.turn_limited:
                 return self._episode_over(run, obs, n_episodes)
         run.last_observation, run.last_turn, run.last_anchor = obs, result.turn, result.anchor
