@@ -20,7 +20,7 @@ from .process.config import (AgentPRMConfig, ARPOConfig, InversePRMConfig, IPRCo
                              RROConfig)
 
 ESTIMATORS = ("grpo", "gigpo", "grpo_mr", "lamer", "gae", "bilevel_gae", "reinforce_pp")
-PROCESS_METHODS = ("", "agentprm", "inverse_prm", "progrm", "ipr", "rro")
+PROCESS_METHODS = ("", "agentprm", "inverse_prm", "progrm", "ipr", "rro", "arpo")
 REFERENCES = ("initial", "previous")
 TEMPLATES = ("chat", "rlvmr", "vagen")
 MEMORY_MODES = ("trajectories", "reflections", "both")
@@ -237,9 +237,10 @@ class ProcessSection:
     """A process-reward method (process/training.py) on top of the RL loop; "" trains without one.
     agentprm / inverse_prm / progrm give each turn a learned process reward that the estimator adds
     to the env's (times reward_coef); ipr and rro train on preference pairs from forked rollouts
-    (DPO against the reference, which is then the policy before each update). Each method's own
-    numbers are in its sub-mapping (process/config.py holds their defaults and where they come
-    from); arpo has its sub-mapping and formulas but no training step in this loop yet."""
+    (DPO against the reference, which is then the policy before each update); arpo plays the
+    training trials itself, branching over Fork where the policy's entropy rises (M =
+    arpo.total_rollouts trajectories per task instead of rollout.group_size). Each method's own
+    numbers are in its sub-mapping (process/config.py holds their defaults and where they come from)."""
     method: str = ""
     reward_coef: float = 1.0          # weight of the process reward beside the env's
     # AgentPRM's and InversePRM's sigma(Q_phi) is positive on every step, which would pay an episode
@@ -256,7 +257,7 @@ class ProcessSection:
     mc_rollouts: int = 4              # m per state (or per candidate action)
     mc_states: int = 16               # states per iteration given forked rollouts (AgentPRM)
     mc_horizon: int = 0               # turns per rollout at most; 0: until the episode ends
-    mc_max_alive: int = 64            # rollout sessions open at once
+    mc_max_alive: int = 64            # rollout sessions open at once (ARPO: its tasks' sessions and forks)
     mc_temperature: float = 1.0       # the rollout policy's sampling temperature
     # Demonstrations (InversePRM's positives, IPR's expert trajectories): a JSONL written by
     # `envserve-train collect`, or, when empty, played live by the env's expert at the start.

@@ -4,7 +4,8 @@
         tasks   = the next tasks_per_iteration task seeds (cycled), this rank's share of them
         trials  = K trials per task from the env service (rollout.RolloutEngine)
         judged  = the judge service's scores on the trials' reasoning (when configured)
-        process = a process-reward method's reward for every turn (process/training.py), if configured
+        process = a process-reward method's reward for every turn (process/training.py), if configured;
+                  ARPO instead plays the trials itself, branching over Fork (process/branching.py)
         samples = per-token advantages from the configured estimator (samples.build_samples)
         update  = clipped policy loss + KL to the reference (learner.Learner)
         log     = metrics.jsonl (training summary, loss, timings), curves.png, a checkpoint
@@ -211,15 +212,22 @@ class Trainer:
 
     # -- one iteration -------------------------------------------------------------------------------
     async def _collect(self, engine: RolloutEngine, judge, tasks: list[Task], group_size: int, iteration: int,
-                       temperature: float | None = None) -> tuple[list[Trial], dict[str, float]]:
+                       temperature: float | None = None, method_ctx=None
+                       ) -> tuple[list[Trial], dict[str, float], dict[str, float]]:
+        """(trials, timings, the process method's metrics): K trials per task from the rollout engine,
+        or, given a method that plays them itself (ARPO) and its Context, that method's trials."""
         t0 = time.monotonic()
-        trials = await engine.collect(tasks, group_size, iteration, temperature)
+        process: dict[str, float] = {}
+        if method_ctx is not None:
+            trials, process = await self.process.collect(tasks, method_ctx)
+        else:
+            trials = await engine.collect(tasks, group_size, iteration, temperature)
         timing = {"rollout_s": time.monotonic() - t0}
         if judge is not None and self.cfg.algo.use_judge:
             t1 = time.monotonic()
             timing["judged_items"] = float(await judge_trials(judge, trials, self.cfg.env.env_id))
             timing["judge_s"] = time.monotonic() - t1
-        return trials, timing
+        return trials, timing, process
 
     def evaluate_trials(self, trials: list[Trial]) -> dict[str, Any]:
         everything = [t for part in self.dist.gather(trials) for t in part]
@@ -243,10 +251,14 @@ class Trainer:
             for it in range(self.start_iteration, total):
                 t0 = time.monotonic()
                 tasks = self.dist.shard(task_schedule(cfg, it))
-                trials, timing = await self._collect(engine, judge, tasks, cfg.rollout.group_size, it)
-                process: dict[str, float] = {}
+                method_ctx = None
+                if self.process is not None and self.process.collects:
+                    from .process.training import Context
+                    method_ctx = Context(client, self.policy, engine.system_prompt, it, engine.admissible)
+                trials, timing, process = await self._collect(engine, judge, tasks, cfg.rollout.group_size, it,
+                                                              method_ctx=method_ctx)
                 pairs = None
-                if self.process is not None:
+                if self.process is not None and method_ctx is None:
                     from .process.training import Context
                     t_process = time.monotonic()
                     ctx = Context(client, self.policy, engine.system_prompt, it, engine.admissible)

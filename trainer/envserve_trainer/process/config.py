@@ -3,7 +3,7 @@
 Numbers the issue's notes give are marked "notes"; the rest are this project's choices, marked
 "ours" with the reason, so that nothing a method depends on is a literal in the code. Each class
 builds from a YAML/JSON mapping with `from_mapping`, which refuses unknown keys and wrong types
-(as AdvantageConfig does); none is wired into the CLI yet.
+(as AdvantageConfig does); the trainer config's process section holds one of each.
 """
 from __future__ import annotations
 

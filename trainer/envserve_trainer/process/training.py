@@ -10,6 +10,9 @@ estimator adds to the env's reward times process.reward_coef (samples.turn_rewar
     progrm       recipes (the LCS of a cluster's successful action sequences, kept across
                  iterations), k/|L| progress labels on every trajectory with a recipe, the step
                  scorer trained with BCE on them; r_t = Prog(s_t) - Prog(s_{t-1}).
+    ipr, rro     preference pairs from forked rollouts, trained by DPO (pairs() instead of annotate()).
+    arpo         no process reward: the training trials themselves are played with entropy-guided
+                 branching over Fork (collect() instead of the rollout engine; branching.py).
 
 The KL to the previous iteration's policy that AgentPRM and InversePRM use is update.reference:
 previous (learner.py). A state is keyed by the env's anchor of the state acted in and the parsed
@@ -29,7 +32,7 @@ import torch
 
 from ..config import TrainConfig
 from ..prompting import ChatLayout
-from ..rollout import turn_seed
+from ..rollout import Task, turn_seed
 from ..samples import usable
 from ..trajectory import Episode, Trial, Turn
 from . import agentprm, inverse_prm, progrm
@@ -79,6 +82,12 @@ class ProcessMethod:
     # A method that trains on preference pairs (the DPO family) sets this; the trainer then calls
     # pairs() and the learner's preference_update instead of annotate() and the PG update.
     preference = False
+    # A method that plays the training trials itself (ARPO's branching) sets this; the trainer then
+    # calls collect() instead of the rollout engine, and neither annotate() nor pairs().
+    collects = False
+
+    async def collect(self, tasks: Sequence[Task], ctx: Context) -> tuple[list[Trial], dict[str, float]]:
+        raise NotImplementedError
 
     async def annotate(self, trials: Sequence[Trial], ctx: Context) -> dict[str, float]:
         raise NotImplementedError
@@ -559,6 +568,41 @@ class RRO(_PreferenceMethod):
                          "candidates_per_step": mean_explored(searches)}
 
 
+# -- ARPO -------------------------------------------------------------------------------------------------
+class ARPO(ProcessMethod):
+    """ARPO: the training trials are played with entropy-guided branching over Fork
+    (process/branching.py): N whole trajectories per task, Z branches from each turn whose window
+    entropy rose enough over the trajectory's first, the rest of M as independent trajectories.
+    The update is the configured estimator's on the M trajectories of each task; with GRPO that is
+    ARPO's soft advantage (each trajectory's normalised return on all its tokens, shared prefix
+    turns included in every trajectory through them)."""
+    name = "arpo"
+    collects = True
+
+    def __init__(self, cfg, policy_model, tokenizer, seed: int = 0):
+        # No step scorer: ARPO needs no learned reward.
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        a = cfg.process.arpo
+        if cfg.rollout.episodes_per_trial != 1:
+            raise ValueError("process.method arpo branches within single episodes: rollout.episodes_per_trial must be 1")
+        if a.advantage_mode != "soft":
+            # A shared prefix turn is one sample in each trajectory through it, so giving each copy
+            # the branches' mean advantage (hard) sums to what soft gives; hard only differs once shared
+            # tokens are trained once, which needs samples deduplicated across trajectories.
+            raise ValueError(f"process.arpo.advantage_mode {a.advantage_mode!r} is not wired into training "
+                             f"(shared prefix turns are a sample in every trajectory through them): use soft")
+        if cfg.process.mc_max_alive < a.total_rollouts:
+            raise ValueError(f"process.mc_max_alive ({cfg.process.mc_max_alive}) must hold one task's "
+                             f"M = {a.total_rollouts} sessions (process.arpo.total_rollouts)")
+
+    async def collect(self, tasks, ctx):
+        from .branching import BranchingRollout
+        rollout = BranchingRollout(ctx.client, ctx.policy, self.tokenizer, self.cfg, ctx.iteration)
+        rollout.admissible = ctx.admissible
+        return await rollout.collect(tasks)
+
+
 def build_method(cfg: TrainConfig, policy_model, tokenizer, sync_client=None,
                  allowed_ids: Sequence[int] | None = None) -> ProcessMethod | None:
     """The configured method (None for process.method ""); InversePRM's demonstrations come from
@@ -572,6 +616,8 @@ def build_method(cfg: TrainConfig, policy_model, tokenizer, sync_client=None,
         return ProgRM(cfg, policy_model, tokenizer, seed)
     if method == "rro":
         return RRO(cfg, policy_model, tokenizer, allowed_ids, seed)
+    if method == "arpo":
+        return ARPO(cfg, policy_model, tokenizer, seed)
     if method in ("inverse_prm", "ipr"):
         if cfg.process.demos:
             from ..collect import load_records
