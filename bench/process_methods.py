@@ -3,8 +3,10 @@
 Each run starts from the same tiny random-weight model (same seed) and trains for the same number
 of iterations through a real envserve server: GRPO (the bundled frozenlake_grpo.yaml), REINFORCE++
 with the env's reward only, AgentPRM, InversePRM and ProgRM (frozenlake_<method>.yaml, on
-REINFORCE++: their effect is the difference to the REINFORCE++ run), and IPR and RRO (DPO on pairs
-from forked rollouts instead of a policy gradient: compare with GRPO).
+REINFORCE++: their effect is the difference to the REINFORCE++ run), IPR and RRO (DPO on pairs
+from forked rollouts instead of a policy gradient: compare with GRPO), and ARPO (GRPO's update on
+trajectories branched over Fork where the policy's entropy rises, 8 per map as GRPO's group: compare
+with GRPO).
 
     .venv/bin/python bench/process_methods.py --iterations 30 --output-dir runs/process-methods --json
 
@@ -33,6 +35,7 @@ RUNS = {
     "progrm": ("frozenlake_progrm.yaml", {}),
     "ipr": ("frozenlake_ipr.yaml", {}),
     "rro": ("frozenlake_rro.yaml", {}),
+    "arpo": ("frozenlake_arpo.yaml", {}),
 }
 
 
