@@ -1,10 +1,10 @@
 """The ALFWorld text engine: TextWorld's PddlEnv with the alfworld package's wrappers, in a
-process of its own per environment instance.
+process of its own per environment instance (core.child).
 
 Why a process: the engine is not thread-safe (fast-downward's translator keeps module state,
 each PddlEnv dlopen()s its own copy of a 33 MB planning library that nothing unloads) and a
 parse error in it calls sys.exit. In a child process a crash loses one session, and closing
-the session gives all of its memory back. `EngineClient` talks to it over a pipe; the child
+the session gives all of its memory back. `EngineClient` talks to it over a socket pair; the child
 runs `Engine`, which can also run inline (isolation="none").
 
 Two memo caches make the package fast enough to serve, without changing what it computes:
@@ -15,17 +15,13 @@ games play identically with and without them.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
-import os
 import random
 import re
-import signal
-import socket
-import subprocess
-import sys
 from typing import Any
+
+from envserve.core.child import ChildGone as EngineGone  # noqa: F401 - the name the env catches
 
 from .generate import _close_engine, expert_seed
 
@@ -144,81 +140,33 @@ class Engine:
         self._env = None
 
 
-def _serve(fd: int, caches: bool) -> None:
-    """The child's loop: (op, args) in, ("ok", value) or ("error", text) out."""
-    from multiprocessing.connection import Connection
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server's Ctrl-C is for the server
-    conn = Connection(fd)
-    engine = Engine(caches=caches)
-    conn.send(("ok", os.getpid()))
-    while True:
-        try:
-            op, args = conn.recv()
-        except (EOFError, OSError):
-            break
-        if op == "exit":
-            break
-        try:
-            conn.send(("ok", getattr(engine, op)(*args)))
-        except BaseException as e:  # noqa: BLE001 - SystemExit from the translator included
-            conn.send(("error", f"{type(e).__name__}: {e}"))
-    # No interpreter teardown: dlclose()d planner copies make exit handlers crash.
-    os._exit(0)
-
-
-class EngineGone(Exception):
-    """The engine process died or stopped answering."""
+def _serve(fd: int, caches: str) -> None:
+    """The child: core.child's loop over an Engine (caches arrives as "1" or "0")."""
+    from envserve.core.child import serve
+    engine = Engine(caches=caches == "1")
+    serve(fd, lambda op, args: getattr(engine, op)(*args))
 
 
 class EngineClient:
-    """The session side: the same calls as Engine, answered by a child process.
-
-    A fresh interpreter (about 1 s to import the engine), not a fork: the worker may hold
-    threads or locks a fork would copy, and multiprocessing's fork server re-imports the
-    caller's __main__, which scripts without a main guard do not survive."""
+    """The session side: the same calls as Engine, answered by an engine process (core.child's
+    ChildProcess: a fresh interpreter, about 1 s to import the engine). A dead or silent engine
+    raises ChildGone (EngineGone here)."""
 
     def __init__(self, caches: bool = True, timeout: float = 300.0) -> None:
-        from multiprocessing.connection import Connection
-        ours, theirs = socket.socketpair()
-        self._proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from envserve.envs.alfworld.engine import _serve; "
-             "_serve(int(sys.argv[1]), sys.argv[2] == '1')", str(theirs.fileno()), "1" if caches else "0"],
-            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, close_fds=True)
-        theirs.close()
-        self._conn = Connection(ours.detach())
+        from envserve.core.child import ChildProcess
         self._timeout = timeout
-        self._handshake()
-
-    def _handshake(self) -> None:
-        if not self._conn.poll(self._timeout):
-            raise EngineGone("the engine process did not start")
-        self._receive()
+        self._child: ChildProcess | None = ChildProcess(
+            "envserve.envs.alfworld.engine:_serve", ("1" if caches else "0",), start_timeout=timeout,
+            what="engine process")
 
     @property
     def pid(self) -> int:
-        return self._proc.pid if self._proc else -1
-
-    def _receive(self):
-        try:
-            return self._conn.recv()
-        except (EOFError, OSError):
-            raise EngineGone(self._why()) from None
-
-    def _why(self) -> str:
-        code = self._proc.poll() if self._proc else None
-        return f"exited with code {code}" if code is not None else "stopped answering"
+        return self._child.pid if self._child is not None else -1
 
     def _call(self, op: str, *args) -> Any:
-        try:
-            self._conn.send((op, args))
-        except (OSError, BrokenPipeError):
-            raise EngineGone(self._why()) from None
-        if not self._conn.poll(self._timeout):
-            raise EngineGone(f"no answer in {self._timeout:.0f} s")
-        status, value = self._receive()
-        if status == "error":
-            raise RuntimeError(value)
-        return value
+        if self._child is None:
+            raise EngineGone("the engine process was closed")
+        return self._child.call(op, *args, timeout=self._timeout)
 
     def load(self, game_file: str, expert: bool) -> dict:
         return self._call("load", game_file, expert)
@@ -230,15 +178,6 @@ class EngineClient:
         return self._call("generate", seed, task_type, list(floor_plans), root)
 
     def close(self) -> None:
-        proc = self._proc
-        if proc is None:
-            return
-        self._proc = None
-        with contextlib.suppress(Exception):
-            self._conn.send(("exit", ()))
-        try:
-            proc.wait(2)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        self._conn.close()
+        child, self._child = self._child, None
+        if child is not None:
+            child.close()

@@ -187,10 +187,11 @@ class AlfWorldEnv(Environment):
         """One engine call. A dead engine process loses this session only: DATA_LOSS."""
         if self._lost:
             raise SessionError("DATA_LOSS", self._lost)
+        pid = self.engine_pid   # read first: a gone engine's handle forgets its pid
         try:
             return getattr(self._engine, op)(*args)
         except EngineGone as e:
-            self._lost = (f"session lost: its ALFWorld engine process (pid {self.engine_pid}) {e}; "
+            self._lost = (f"session lost: its ALFWorld engine (pid {pid}): {e}; "
                           "its episode is gone: reset the session (a new engine starts) or open a new one")
             self.close()
             raise SessionError("DATA_LOSS", self._lost) from None
