@@ -8,7 +8,13 @@ batch through the same list, resetting at the same points. Ratio = service / bas
 ALFWorld is measured twice: as served (engine caches on) and with engine_caches=false, the
 package's own code paths inside the engine process.
 
-Run: `.venv/bin/python bench/text_envs.py [--seconds 20] [--json]`; with --json the last line
+Memory per session (`--memory N`): N ScienceWorld sessions opened and reset on one worker, the
+growth of the proportional set size (PSS: shared pages split among the processes sharing them) of
+the worker and its JVMs, divided by N; once with `sessions_per_jvm: 1` (a JVM per session, the
+earlier design) and once with the default (several sessions per JVM), and the steps/s of the same
+N sessions stepped as a batch under each. ALFWorld likewise (its engine process per session).
+
+Run: `.venv/bin/python bench/text_envs.py [--seconds 20] [--memory 16] [--json]`; with --json the last line
 is one JSON object (keys ratio_scienceworld, ratio_scienceworld_equal_work, ratio_alfworld,
 ratio_alfworld_nocache, ...). ScienceWorld's package step also computes the valid actions, look
 and inventory each time; the service only on request, so ratio_scienceworld_equal_work asks for
@@ -110,6 +116,58 @@ def service_rate(client: EnvClient, env_id: str, config: dict, seed: int, action
     return rate
 
 
+def tree_pss_mib(pid: int) -> float:
+    """PSS of a process and all its descendants, in MiB (Linux smaps_rollup)."""
+    import psutil
+    total = 0
+    for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        try:
+            with open(f"/proc/{p.pid}/smaps_rollup") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+        except (FileNotFoundError, ProcessLookupError, StopIteration):
+            pass
+    return total / 1024
+
+
+def memory_per_session(server: ServerProcess, client: EnvClient, env_id: str, config: dict, seed: int,
+                       actions: list[str], sessions: int, seconds: float) -> tuple[float, float]:
+    """(MiB of PSS per session, steps/s of the same sessions as one batch) on a one-worker server."""
+    (worker,) = server.worker_pids()
+    before = tree_pss_mib(worker)
+    sids = client.open(env_id, sessions, {"max_turns": 100_000, **config}, "no_think")
+    for s in sids:
+        client.reset_one(s, seed=seed)
+    for a in actions[:3]:   # a few steps, so each simulator has built what a step builds
+        client.step([(s, answer(a)) for s in sids])
+    time.sleep(1.0)
+    per_session = (tree_pss_mib(worker) - before) / sessions
+    client.close_sessions(sids)
+    return per_session, service_rate(client, env_id, config, seed, actions, sessions, seconds)
+
+
+def memory_report(sessions: int, seconds: float, only: str | None) -> dict:
+    out: dict = {"memory_sessions": sessions}
+    with ServerProcess(["scienceworld", "alfworld"], workers=1, metrics=False) as server, \
+            EnvClient(server.address) as client:
+        if only in (None, "scienceworld"):
+            seed = _sw_seed()
+            own, own_rate = memory_per_session(server, client, "scienceworld", {"sessions_per_jvm": 1}, seed,
+                                               SW_ACTIONS, sessions, seconds)
+            shared, shared_rate = memory_per_session(server, client, "scienceworld", {}, seed,
+                                                     SW_ACTIONS, sessions, seconds)
+            out.update(scienceworld_mib_per_session_own_jvm=round(own, 1),
+                       scienceworld_mib_per_session_shared_jvm=round(shared, 1),
+                       scienceworld_own_jvm_steps_s=round(own_rate, 1),
+                       scienceworld_shared_jvm_steps_s=round(shared_rate, 1),
+                       ratio_scienceworld_memory=round(shared / own, 3),
+                       ratio_scienceworld_shared_steps=round(shared_rate / own_rate, 3))
+        if only in (None, "alfworld"):
+            _, walk = alfworld_game(client)
+            mib, rate = memory_per_session(server, client, "alfworld", {}, ALF_SEED, walk, sessions, seconds)
+            out.update(alfworld_mib_per_session=round(mib, 1), alfworld_memory_steps_s=round(rate, 2))
+    return out
+
+
 def alfworld_game(client: EnvClient) -> tuple[str, list[str]]:
     sid = client.open("alfworld", 1, {}, "no_think")[0]
     client.reset_one(sid, seed=ALF_SEED)
@@ -127,7 +185,16 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--procs", type=int, default=0, help="processes / workers / sessions (0: one per CPU)")
     ap.add_argument("--only", choices=["scienceworld", "alfworld"], default=None)
+    ap.add_argument("--memory", type=int, default=0, metavar="N",
+                    help="measure memory per session with N sessions (one worker) instead of the step rates")
     args = ap.parse_args()
+    if args.memory:
+        out = memory_report(args.memory, args.seconds, args.only)
+        for k, v in out.items():
+            print(f"{k:40s} {v}")
+        if args.json:
+            print(json.dumps(out))
+        return
     procs = args.procs or os.cpu_count() or 1
     out: dict = {"procs": procs, "seconds": args.seconds}
     with ServerProcess(["scienceworld", "alfworld"], workers=procs, metrics=False) as server, \

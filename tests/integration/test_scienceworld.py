@@ -132,12 +132,15 @@ def test_wrong_focus_fails_with_negative_reward(client):
     client.close_sessions([sid])
 
 
+OWN_JVM = {"sessions_per_jvm": 1}
+
+
 def test_killed_jvm_loses_only_its_session_and_close_leaves_no_java(server, client):
     (worker,) = server.worker_pids()
     before = {p.pid for p in java_children(worker)}
-    a = client.open("scienceworld", 1, {}, "no_think")[0]
+    a = client.open("scienceworld", 1, OWN_JVM, "no_think")[0]
     (a_java,) = [p for p in java_children(worker) if p.pid not in before]
-    b = client.open("scienceworld", 1, {}, "no_think")[0]
+    b = client.open("scienceworld", 1, OWN_JVM, "no_think")[0]
     assert len(java_children(worker)) == len(before) + 2
     for s in (a, b):
         client.reset_one(s, seed=3)
@@ -156,4 +159,35 @@ def test_killed_jvm_loses_only_its_session_and_close_leaves_no_java(server, clie
     now = {p.pid for p in java_children(worker)} - before
     assert len(now) == 2 and a_java.pid not in now
     assert [s.code for s in client.close_sessions([a, b])] == [0, 0]
+    assert {p.pid for p in java_children(worker)} == before
+
+
+def test_sessions_share_a_jvm_each_with_its_own_world_and_a_dead_jvm_loses_only_its_own(server, client):
+    (worker,) = server.worker_pids()
+    before = {p.pid for p in java_children(worker)}
+    shared = {"sessions_per_jvm": 2}
+    a, b = client.open("scienceworld", 2, shared, "no_think")
+    first = {p.pid for p in java_children(worker)} - before
+    c = client.open("scienceworld", 1, shared, "no_think")[0]
+    assert len(first) == 1 and len({p.pid for p in java_children(worker)} - before) == 2   # a, b | c
+    for s in (a, b, c):
+        client.reset_one(s, seed=3)
+    # a walks away; b, in the same JVM, is still where a fresh session of the task starts.
+    start = client.step_one(c, answer("look around")).observation.text
+    assert client.step_one(a, answer("open door to kitchen")).action_valid
+    assert client.step_one(a, answer("go to kitchen")).action_valid
+    assert client.step_one(b, answer("look around")).observation.text == start
+    assert client.step_one(a, answer("look around")).observation.text != start
+    (ab_java,) = [p for p in java_children(worker) if p.pid in first]
+    ab_java.kill()
+    ab_java.wait(10)
+    for s in (a, b):
+        with pytest.raises(SessionLostError):
+            check(client.step([(s, answer("look around"))])[0])
+    assert client.step_one(c, answer("look around")).action_valid      # the other JVM's session goes on
+    # a's next episode takes the free place in c's JVM: no new JVM starts.
+    client.reset_one(a, seed=3)
+    assert client.step_one(a, answer("look around")).observation.text == start
+    assert len({p.pid for p in java_children(worker)} - before) == 1
+    assert [s.code for s in client.close_sessions([a, b, c])] == [0, 0, 0]
     assert {p.pid for p in java_children(worker)} == before

@@ -1,6 +1,10 @@
 """ScienceWorld (Wang et al. 2022): 30 text-simulated science task types, from the PyPI package
-`scienceworld`, whose Scala simulator runs in a JVM reached through py4j. One JVM per env
-instance; close() ends it.
+`scienceworld`, whose Scala simulator runs in a JVM reached through py4j. A JVM hosts up to
+`sessions_per_jvm` sessions of its worker, each its own simulator object (the package's
+PythonInterface, several per JVM): one JVM costs about 190 MiB with its first simulator and
+15-20 MiB for each further one, so 8 per JVM hold a session in about 35 MiB. A JVM that dies loses
+its own sessions (DATA_LOSS; their next reset gets a place in a live JVM), never another JVM's;
+a JVM whose sessions have all closed ends. `sessions_per_jvm: 1` gives each session its own JVM.
 
 Seeds map to (task type, variation) through the RLVMR splits: L0 = the package's train
 variations of the seen task types, L1 = their unseen (test) variations, L2 = the held-out task
@@ -11,6 +15,7 @@ in every process.
 from __future__ import annotations
 
 import re
+import threading
 from typing import Any, Mapping
 
 from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, Split
@@ -62,12 +67,80 @@ _DEFAULTS = {
     "simplifications": "",
     "reward_scale": 1.0,
     "heap_max_mb": 512,
+    "sessions_per_jvm": 8,
     "expert": False,
 }
 _DEFAULT_SPLITS = _tasks_by_split(frozenset(_DEFAULTS["heldout_tasks"].split(",")),
                                   {"L0": "train", "L1": "test", "L2": "test"})
 _SPLIT_DOCS = {"L0": "seen variations of seen task types", "L1": "unseen variations of seen task types",
                "L2": "held-out task types"}
+
+
+class _Jvm:
+    """One JVM with its py4j gateway, and how many sessions hold a simulator in it."""
+
+    def __init__(self, heap_mb: int) -> None:
+        from py4j.java_gateway import GatewayParameters, JavaGateway, launch_gateway
+        from scienceworld.constants import BASEPATH, JAR_PATH
+        # The package's ScienceWorldEnv cannot pass JVM options, so the gateway is launched here
+        # the same way (die_on_exit: the JVM ends with this process's stdin pipe) plus a bounded
+        # heap; the serial GC because a JVM should not run a GC thread per core.
+        port, self.proc = launch_gateway(classpath=JAR_PATH, die_on_exit=True, cwd=BASEPATH, return_proc=True,
+                                         javaopts=[f"-Xmx{heap_mb}m", "-XX:+UseSerialGC"])
+        self.gateway = JavaGateway(gateway_parameters=GatewayParameters(auto_field=True, port=port),
+                                   java_process=self.proc)
+        self.sessions = 0
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        try:
+            self.gateway.shutdown()
+        except Exception:  # noqa: BLE001 - the JVM may already be gone
+            pass
+        if self.proc.poll() is None:
+            try:
+                # die_on_exit: the JVM exits on a line on its stdin (py4j issue 320).
+                self.proc.stdin.write(b"\n")
+                self.proc.stdin.flush()
+                self.proc.wait(5)
+            except Exception:  # noqa: BLE001 - it did not exit: make sure no JVM outlives its sessions
+                self.proc.kill()
+                self.proc.wait()
+
+
+# This worker's JVMs by (heap, sessions per JVM): sessions asking for other limits never share one.
+_JVMS: dict[tuple[int, int], list[_Jvm]] = {}
+_JVMS_LOCK = threading.Lock()
+
+
+def _take_jvm(heap_mb: int, per_jvm: int) -> _Jvm:
+    """A place in a live JVM with room, or a new JVM."""
+    key = (heap_mb, per_jvm)
+    with _JVMS_LOCK:
+        jvms = _JVMS.setdefault(key, [])
+        jvms[:] = [j for j in jvms if j.alive() or j.sessions > 0]
+        for j in jvms:
+            if j.alive() and j.sessions < per_jvm:
+                j.sessions += 1
+                return j
+        j = _Jvm(heap_mb)
+        j.sessions = 1
+        jvms.append(j)
+        return j
+
+
+def _give_back(jvm: _Jvm, heap_mb: int, per_jvm: int) -> None:
+    """A session leaves its JVM; the last one out ends it."""
+    with _JVMS_LOCK:
+        jvm.sessions -= 1
+        if jvm.sessions > 0:
+            return
+        jvms = _JVMS.get((heap_mb, per_jvm), [])
+        if jvm in jvms:
+            jvms.remove(jvm)
+    jvm.stop()
 
 
 def _java_gone(e: BaseException) -> bool:
@@ -93,7 +166,8 @@ class ScienceWorldEnv(Environment):
             "l2_variations": "the package's variation list for L2: train, dev, test or all",
             "simplifications": "the package's simplification string, e.g. 'easy' or 'openDoors,teleportAction'",
             "reward_scale": "reward = scale * change of the task score (0-100)",
-            "heap_max_mb": "maximum Java heap of the session's JVM (-Xmx), in MiB",
+            "heap_max_mb": "maximum Java heap of a JVM (-Xmx), in MiB, shared by the sessions it hosts",
+            "sessions_per_jvm": "sessions one JVM hosts at most (each its own simulator); a dead JVM loses these",
             "expert": "load the task with the package's gold path: the state endpoint tells its next action "
                       "(expert_action) and the rest of it (gold_path) while the episode follows it",
         },
@@ -122,8 +196,11 @@ class ScienceWorldEnv(Environment):
             raise ValueError("every split needs at least one task type")
         if int(c["heap_max_mb"]) < 64:
             raise ValueError("heap_max_mb must be at least 64")
+        if int(c["sessions_per_jvm"]) < 1:
+            raise ValueError("sessions_per_jvm must be at least 1")
         self._scale = float(c["reward_scale"])
-        self._proc = self._gateway = self._server = None
+        self._jvm: _Jvm | None = None
+        self._proc = self._server = None
         self._lost = ""
         self._start_jvm()
         self._task = ("", -1)
@@ -139,25 +216,23 @@ class ScienceWorldEnv(Environment):
 
     # -- the JVM -----------------------------------------------------------------------
     def _start_jvm(self) -> None:
-        from py4j.java_gateway import GatewayParameters, JavaGateway, launch_gateway
-        from scienceworld.constants import BASEPATH, JAR_PATH
-        # The package's ScienceWorldEnv cannot pass JVM options, so the gateway is launched here
-        # the same way (die_on_exit: the JVM ends with this process's stdin pipe) plus a bounded
-        # heap; the serial GC because a session's JVM should not run a GC thread per core.
-        port, proc = launch_gateway(classpath=JAR_PATH, die_on_exit=True, cwd=BASEPATH, return_proc=True,
-                                    javaopts=[f"-Xmx{int(self.config['heap_max_mb'])}m", "-XX:+UseSerialGC"])
-        self._proc = proc
-        self._gateway = JavaGateway(gateway_parameters=GatewayParameters(auto_field=True, port=port),
-                                    java_process=proc)
-        self._server = self._gateway.jvm.scienceworld.runtime.pythonapi.PythonInterface()
+        """A simulator of this session's own in a shared JVM (a new JVM when none has room)."""
+        c = self.config
+        self._jvm = _take_jvm(int(c["heap_max_mb"]), int(c["sessions_per_jvm"]))
+        self._proc = self._jvm.proc
+        try:
+            self._server = self._jvm.gateway.jvm.scienceworld.runtime.pythonapi.PythonInterface()
+        except Exception:
+            self.close()
+            raise
 
     @property
     def java_pid(self) -> int:
         return self._proc.pid if self._proc else -1
 
     def _call(self, method: str, *args):
-        """One call into the simulator. A dead JVM loses this session only: DATA_LOSS, which
-        clients raise as SessionLostError, as for a dead worker."""
+        """One call into the simulator. A dead JVM loses the sessions it hosts, each on its next
+        call: DATA_LOSS, which clients raise as SessionLostError, as for a dead worker."""
         if self._lost:
             raise SessionError("DATA_LOSS", self._lost)
         try:
@@ -169,28 +244,23 @@ class ScienceWorldEnv(Environment):
             code = self._proc.poll()
             self._lost = (f"session lost: the ScienceWorld JVM (pid {self._proc.pid}) "
                           f"{'exited with code ' + str(code) if code is not None else 'stopped answering'} "
-                          f"({type(e).__name__}); its episode is gone: reset the session (a new JVM "
-                          f"starts) or open a new one")
+                          f"({type(e).__name__}); its episode is gone: reset the session (it gets a place "
+                          f"in a live JVM) or open a new one")
             self.close()
             raise SessionError("DATA_LOSS", self._lost) from None
 
     def close(self) -> None:
-        gateway, proc = self._gateway, self._proc
-        self._gateway = self._server = None
-        if gateway is not None:
+        jvm, server = self._jvm, self._server
+        self._jvm = self._server = None
+        if jvm is None:
+            return
+        if server is not None and jvm.alive():
             try:
-                gateway.shutdown()
-            except Exception:  # noqa: BLE001 - the JVM may already be gone
+                jvm.gateway.detach(server)   # the JVM may collect this session's simulator now
+            except Exception:  # noqa: BLE001 - the JVM may be going away
                 pass
-        if proc is not None and proc.poll() is None:
-            try:
-                # die_on_exit: the JVM exits on a line on its stdin (py4j issue 320).
-                proc.stdin.write(b"\n")
-                proc.stdin.flush()
-                proc.wait(5)
-            except Exception:  # noqa: BLE001 - it did not exit: make sure no JVM outlives the session
-                proc.kill()
-                proc.wait()
+        c = self.config
+        _give_back(jvm, int(c["heap_max_mb"]), int(c["sessions_per_jvm"]))
 
     # -- episodes ----------------------------------------------------------------------
     def task_of_seed(self, seed: int) -> tuple[str, int]:
@@ -200,7 +270,7 @@ class ScienceWorldEnv(Environment):
 
     def reset(self, seed: int, options: Mapping[str, Any] | None = None) -> None:
         if self._lost:
-            # The JVM died: a new episode gets a new one.
+            # The JVM died: a new episode gets a place in a live JVM.
             self._lost = ""
             self._start_jvm()
         self._task = self.task_of_seed(int(seed or 0))
