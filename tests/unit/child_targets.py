@@ -5,7 +5,17 @@ import time
 from envserve.core.child import Refusal, serve
 
 
+_state = {}
+
+
 def _handle(op, args):
+    if op == "set":
+        _state[args[0]] = args[1]
+        return None
+    if op == "get":
+        return _state.get(args[0])
+    if op == "pid":
+        return os.getpid()
     if op == "echo":
         return args
     if op == "sleep":

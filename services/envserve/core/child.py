@@ -9,6 +9,13 @@ want (a handshake, then (op, args) in and ("ok", value) or ("error", text) out).
 Death: a call to a child that exited, crashed or did not answer within its deadline raises
 ChildGone with the reason; the caller maps it to its sessions (DATA_LOSS for a session whose state
 lived there) and starts a new child when it next needs one (`ChildProcess.start` again).
+
+Copies: a child running `serve` can be copied by os.fork, its state included (a loaded game, warm
+caches), for the price of a fork instead of a start and a replay: `fork()` gives the caller a copy
+of its own, `copies(ttl_s)` leaves a frozen copy listening on an abstract Unix socket that hands
+every process connecting to it (`ChildProcess.connect`, from any process on the machine) a copy of
+its own, until it has been idle for ttl_s. A copy is not the caller's child: it is watched through
+its socket and a pidfd (so a recycled pid is never signalled).
 """
 from __future__ import annotations
 
@@ -18,7 +25,12 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+import uuid
 from typing import Any, Callable, Sequence
+
+FORK_OP = "__fork__"        # serve's built-in ops: a copy for the caller,
+COPIES_OP = "__copies__"    # a frozen copy that serves copies to whoever connects
 
 
 class ChildGone(Exception):
@@ -54,20 +66,92 @@ class ChildProcess:
             raise ChildGone(f"the {what} did not start within {start_timeout:g} s")
         self.hello = self._receive()
 
+    @classmethod
+    def _copy(cls, conn, what: str) -> "ChildProcess":
+        """The handle of a copy made by fork() or served by copies(): its handshake carries its pid."""
+        self = cls.__new__(cls)
+        self.what, self._proc, self._conn, self._pidfd = what, None, conn, None
+        self._copy_pid = -1
+        self.hello = self._receive()
+        self._copy_pid = int(self.hello[1])
+        with contextlib.suppress(OSError):
+            self._pidfd = os.pidfd_open(self._copy_pid)
+        return self
+
+    @classmethod
+    def connect(cls, address: str, what: str = "child process copy", timeout: float = 60.0) -> "ChildProcess":
+        """A copy of its own from the frozen copy at `address` (what copies() returned)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(address)
+            sock.settimeout(None)
+        except OSError as e:
+            sock.close()
+            raise ChildGone(f"no {what} at that address any more ({type(e).__name__}: {e})") from None
+        from multiprocessing.connection import Connection
+        conn = Connection(sock.detach())
+        if not conn.poll(timeout):
+            conn.close()
+            raise ChildGone(f"the {what} did not answer within {timeout:g} s", timed_out=True)
+        return cls._copy(conn, what)
+
+    def fork(self, what: str | None = None, timeout: float = 60.0) -> "ChildProcess":
+        """A copy of this child (os.fork in the child: its whole state), answering on a socket
+        pair of its own."""
+        from multiprocessing.connection import Connection
+        from multiprocessing.reduction import send_handle
+        ours, theirs = socket.socketpair()
+        try:
+            self.request_nowait((FORK_OP, ()))
+            send_handle(self._conn, theirs.fileno(), self.pid)
+        finally:
+            theirs.close()
+        status, value = self._answer(timeout)
+        if status != "ok":
+            ours.close()
+            raise RuntimeError(value)
+        conn = Connection(ours.detach())
+        return ChildProcess._copy(conn, what or f"copy of the {self.what}")
+
+    def copies(self, ttl_s: float, timeout: float = 60.0) -> str:
+        """The address of a frozen copy of this child that gives each connect() a copy of its own
+        and ends once no one has connected for ttl_s seconds."""
+        self.request_nowait((COPIES_OP, (float(ttl_s),)))
+        status, value = self._answer(timeout)
+        if status != "ok":
+            raise RuntimeError(value)
+        return value
+
     @property
     def pid(self) -> int:
-        return self._proc.pid if self._proc is not None else -1
+        if self._proc is not None:
+            return self._proc.pid
+        return getattr(self, "_copy_pid", -1) if self._conn is not None else -1
 
     def alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        if self._proc is not None:
+            return self._proc.poll() is None
+        return self._conn is not None and not self._copy_ended()
+
+    def _copy_ended(self) -> bool:
+        import select
+        if getattr(self, "_pidfd", None) is None:
+            return False
+        return bool(select.select([self._pidfd], [], [], 0)[0])    # a pidfd reads ready once it exited
 
     def why(self) -> str:
         """After the connection broke: the exit code, once the process has ended (it may close its
-        end a moment before the kernel reports it exited), else that it stopped answering."""
+        end a moment before the kernel reports it exited), else that it stopped answering. A copy is
+        not our child: its exit code is its parent's to read."""
         code = None
         if self._proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 code = self._proc.wait(1.0)
+        elif getattr(self, "_pidfd", None) is not None:
+            import select
+            if select.select([self._pidfd], [], [], 1.0)[0]:
+                return "exited"
         return f"exited with code {code}" if code is not None else "stopped answering"
 
     def _receive(self):
@@ -82,6 +166,10 @@ class ChildProcess:
         """Sends one message and returns the answer; ChildGone if the child is gone, or when it gives
         none within `timeout` seconds (the child is then killed: a late answer would be read as the
         next call's)."""
+        self.request_nowait(message)
+        return self._answer(timeout)
+
+    def request_nowait(self, message: Any) -> None:
         if self._conn is None:
             raise ChildGone(f"the {self.what} was stopped")
         try:
@@ -90,6 +178,8 @@ class ChildProcess:
             reason = self.why()
             self.kill()
             raise ChildGone(f"the {self.what} {reason}") from None
+
+    def _answer(self, timeout: float | None) -> Any:
         if not self._conn.poll(timeout):
             self.kill()
             raise ChildGone(f"the {self.what} gave no answer within {timeout:g} s", timed_out=True)
@@ -104,12 +194,17 @@ class ChildProcess:
 
     def kill(self) -> None:
         proc, conn = self._proc, self._conn
+        pidfd, self._pidfd = getattr(self, "_pidfd", None), None
         self._proc = self._conn = None
         if proc is not None:
             if proc.poll() is None:
                 proc.kill()
             with contextlib.suppress(Exception):
                 proc.wait(10)
+        if pidfd is not None:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            os.close(pidfd)
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.close()
@@ -122,20 +217,28 @@ class ChildProcess:
             if self._proc is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self._proc.wait(grace)
+            elif getattr(self, "_pidfd", None) is not None:
+                import select
+                select.select([self._pidfd], [], [], grace)
         self.kill()
 
 
 def serve(fd: int, handler: Callable[[str, tuple], Any], hello: Any = None) -> None:
     """The child's loop over a `ChildProcess`: answers the handshake with ("ok", hello or its pid),
     then each (op, args) with ("ok", handler(op, args)) or ("error", "Type: text") (a Refusal's
-    text alone), until "exit" or
-    the parent's end closes. Exits without interpreter teardown (os._exit): C extensions some
-    children load (planners, cairo) crash in their exit handlers."""
+    text alone), until "exit" or the parent's end closes; FORK_OP and COPIES_OP make copies of the
+    whole process (ChildProcess.fork and .copies). Exits without interpreter teardown (os._exit): C
+    extensions some children load (planners, cairo) crash in their exit handlers."""
     from multiprocessing.connection import Connection
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server's Ctrl-C is for the server
     conn = Connection(fd)
     conn.send(("ok", os.getpid() if hello is None else hello))
+    _loop(conn, handler)
+
+
+def _loop(conn, handler: Callable[[str, tuple], Any]) -> None:
     while True:
+        _reap_copies()
         try:
             op, args = conn.recv()
         except (EOFError, OSError):
@@ -143,9 +246,80 @@ def serve(fd: int, handler: Callable[[str, tuple], Any], hello: Any = None) -> N
         if op == "exit":
             break
         try:
-            conn.send(("ok", handler(op, args)))
+            if op == FORK_OP:
+                conn = _fork_copy(conn)   # the copy goes on serving its own connection
+            elif op == COPIES_OP:
+                conn.send(("ok", _start_copy_server(conn, handler, float(args[0]))))
+            else:
+                conn.send(("ok", handler(op, args)))
         except Refusal as e:
             conn.send(("error", str(e)))
         except BaseException as e:  # noqa: BLE001 - SystemExit from a library included: the child lives on
             conn.send(("error", f"{type(e).__name__}: {e}"))
+    os._exit(0)
+
+
+def _reap_copies() -> None:
+    """Copies this process forked that have ended (no library call is running here between
+    messages, so no other code is waiting for a child of its own)."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+
+
+def _fork_copy(conn):
+    """FORK_OP: the caller sent one end of a new socket pair after the message; the copy serves it."""
+    from multiprocessing.connection import Connection
+    from multiprocessing.reduction import recv_handle
+    fd = recv_handle(conn)
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        mine = Connection(fd)
+        mine.send(("ok", os.getpid()))
+        return mine
+    os.close(fd)
+    conn.send(("ok", pid))
+    return conn
+
+
+def _start_copy_server(conn, handler, ttl_s: float) -> str:
+    """COPIES_OP: a frozen copy of this process (forked twice, so it is not this process's child
+    to reap) listening on a fresh abstract Unix socket; its address."""
+    address = f"\0envserve-copies-{os.getpid()}-{uuid.uuid4().hex}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(64)
+    pid = os.fork()
+    if pid == 0:
+        if os.fork() == 0:
+            conn.close()
+            _copy_server(listener, handler, ttl_s)
+        os._exit(0)
+    listener.close()
+    os.waitpid(pid, 0)
+    return address
+
+
+def _copy_server(listener: socket.socket, handler, ttl_s: float) -> None:
+    """Each connection gets a fork of this (frozen) process serving it; ends after ttl_s idle."""
+    from multiprocessing.connection import Connection
+    listener.settimeout(min(1.0, ttl_s))
+    idle_since = time.monotonic()
+    while time.monotonic() - idle_since < ttl_s:
+        _reap_copies()
+        try:
+            sock, _ = listener.accept()
+        except socket.timeout:
+            continue
+        except OSError:
+            break
+        idle_since = time.monotonic()
+        if os.fork() == 0:
+            listener.close()
+            sock.settimeout(None)
+            mine = Connection(sock.detach())
+            mine.send(("ok", os.getpid()))
+            _loop(mine, handler)
+        sock.close()
     os._exit(0)
