@@ -110,19 +110,24 @@ def test_put_in_on_is_accepted_for_move_to():
     assert normalize_command("go to fridge 1") == "go to fridge 1"
 
 
-def test_walkthrough_replays_and_fork_replays_alike(client):
-    """The walkthrough stored in the game file wins through gRPC; a fork halfway (replayed)
-    ends the same way."""
-    seed = SPEC.split("valid_seen").seed_offset + 2
-    sid = client.open("alfworld", 1, {"max_turns": 80}, "no_think")[0]
-    client.reset_one(sid, seed=seed)
+def walkthrough_of(client, sid) -> list[str]:
     truth = state_dict(client.get_state(sid, 0))
     games_root = os.environ["ENVSERVE_ALFWORLD_GAMES"]
     path = os.path.join(games_root, "json_2.1.1", truth["game"], "game.tw-pddl")
     with open(path) as f:
         game = json.load(f)
     assert game["solvable"] is True and 0 < len(game["walkthrough"]) <= gen.MAX_EXPERT_STEPS
-    walk = game["walkthrough"]
+    return game["walkthrough"]
+
+
+@pytest.mark.parametrize("fork_copies", [True, False], ids=["fork-copies-the-engine", "fork-replays"])
+def test_walkthrough_replays_and_a_fork_ends_alike(client, fork_copies):
+    """The walkthrough stored in the game file wins through gRPC; a fork halfway (a copy of the
+    engine process, or replayed) ends the same way."""
+    seed = SPEC.split("valid_seen").seed_offset + 2
+    sid = client.open("alfworld", 1, {"max_turns": 80, "fork_copies": fork_copies}, "no_think")[0]
+    client.reset_one(sid, seed=seed)
+    walk = walkthrough_of(client, sid)
     half = len(walk) // 2
     r = None
     for action in walk[:half]:
@@ -137,6 +142,49 @@ def test_walkthrough_replays_and_fork_replays_alike(client):
         ends.append((r.done, r.success, r.anchor))
     assert ends[0] == ends[1] and ends[0][:2] == (True, True)
     client.close_sessions([sid, fork])
+
+
+def engines_anywhere() -> dict[int, psutil.Process]:
+    """Engine processes on the machine: copies made for a Fork are not the worker's descendants."""
+    out = {}
+    for p in psutil.process_iter():
+        try:
+            if "alfworld.engine" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                out[p.pid] = p
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def test_a_fork_copies_the_engine_process_and_each_copy_goes_its_own_way(client):
+    seed = SPEC.split("valid_seen").seed_offset + 2
+    sid = client.open("alfworld", 1, {"max_turns": 80, "fork_copy_ttl_s": 1.0}, "no_think")[0]
+    client.reset_one(sid, seed=seed)
+    walk = walkthrough_of(client, sid)
+    half = len(walk) // 2
+    for action in walk[:half]:
+        assert client.step_one(sid, answer(action)).action_valid
+    before = set(engines_anywhere())
+    forks = client.fork(sid, 3)
+    new = set(engines_anywhere()) - before
+    assert len(new) == 4       # three copies and the frozen copy they were forked from
+    parent = client.get_state(sid, -1)
+    for f in forks:            # the same game at the same point: facts, location, admissible commands
+        s = client.get_state(f, -1)
+        assert (s.anchor, state_dict(s), s.turn) == (parent.anchor, state_dict(parent), parent.turn)
+    moved = client.step_one(forks[0], answer(walk[half]))
+    assert moved.action_valid and moved.anchor != parent.anchor
+    assert client.get_state(sid, -1).anchor == parent.anchor == client.get_state(forks[1], -1).anchor
+    ends = []
+    for s in (sid, *forks):
+        r = None
+        for action in walk[half + (s == forks[0]):]:
+            r = client.step_one(s, answer(action))
+        ends.append((r.done, r.success))
+    assert ends == [(True, True)] * 4
+    assert [st.code for st in client.close_sessions([sid, *forks])] == [0] * 4
+    gone, alive = psutil.wait_procs([p for pid, p in engines_anywhere().items() if pid in new], timeout=15)
+    assert not alive           # the copies end with their sessions, the frozen copy after its ttl
 
 
 def test_splits_follow_rlvmr_and_lamer():

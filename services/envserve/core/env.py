@@ -173,7 +173,8 @@ class Environment:
     def snapshot(self) -> Any:
         """A picklable copy of the full state. The default copies the instance's fields;
         environments holding handles (simulators, JVMs) override it or set
-        spec.supports_snapshot=False to fall back to replay."""
+        spec.supports_snapshot=False to fall back to replay. It may return None when this
+        instance cannot copy itself (its configuration says replay): the session then replays."""
         return copy_state(self.__dict__)
 
     def restore(self, snap: Any) -> None:

@@ -318,7 +318,9 @@ class Session:
             "progress": (self.last_action, self.last_reward, self.episode_return, self.success, self.truncated),
         }
         if self.spec.supports_snapshot and self.seed is not None:
-            blob["env_snapshot"] = self.env.snapshot()
+            snap = self.env.snapshot()
+            if snap is not None:      # None: this instance cannot copy itself now; replay
+                blob["env_snapshot"] = snap
         return blob
 
     @classmethod

@@ -19,6 +19,7 @@ import copy
 import functools
 import random
 import re
+import threading
 from typing import Any
 
 from envserve.core.child import ChildGone as EngineGone  # noqa: F401 - the name the env catches
@@ -147,17 +148,65 @@ def _serve(fd: int, caches: str) -> None:
     serve(fd, lambda op, args: getattr(engine, op)(*args))
 
 
+def warm_imports() -> None:
+    """What Engine.load imports, imported ahead: a template's copies then share these pages."""
+    import alfworld.agents.environment.alfred_tw_env  # noqa: F401
+    import alfworld.agents.expert  # noqa: F401
+    import textworld.envs  # noqa: F401
+
+
+def _serve_template(fd: int, caches: str) -> None:
+    """A template engine: imports done, no game; sessions' engines are forks of it."""
+    warm_imports()
+    _serve(fd, caches)
+
+
+# This worker's template engines, by caches on/off (started on first use, replaced when dead).
+_TEMPLATES: dict[bool, Any] = {}
+_TEMPLATES_LOCK = threading.Lock()
+
+
 class EngineClient:
     """The session side: the same calls as Engine, answered by an engine process (core.child's
-    ChildProcess: a fresh interpreter, about 1 s to import the engine). A dead or silent engine
-    raises ChildGone (EngineGone here)."""
+    ChildProcess). `start` forks one from the worker's template engine (a few ms; the imported
+    code's pages shared) or starts a fresh interpreter (about 1 s); `copies` leaves a frozen copy
+    of this engine, game state included, that `connect` copies from. A dead or silent engine raises
+    ChildGone (EngineGone here)."""
 
-    def __init__(self, caches: bool = True, timeout: float = 300.0) -> None:
+    def __init__(self, caches: bool = True, timeout: float = 300.0, child=None) -> None:
+        """An engine in a fresh interpreter, or the given ChildProcess running one."""
         from envserve.core.child import ChildProcess
         self._timeout = timeout
-        self._child: ChildProcess | None = ChildProcess(
-            "envserve.envs.alfworld.engine:_serve", ("1" if caches else "0",), start_timeout=timeout,
-            what="engine process")
+        self._child = child or ChildProcess("envserve.envs.alfworld.engine:_serve", ("1" if caches else "0",),
+                                            start_timeout=timeout, what="engine process")
+
+    @classmethod
+    def start(cls, caches: bool = True, template: bool = True, timeout: float = 300.0) -> "EngineClient":
+        from envserve.core.child import ChildGone, ChildProcess
+        if not template:
+            return cls(caches, timeout)
+        with _TEMPLATES_LOCK:
+            for attempt in (0, 1):
+                t = _TEMPLATES.get(caches)
+                if t is None or not t.alive():
+                    t = _TEMPLATES[caches] = ChildProcess(
+                        "envserve.envs.alfworld.engine:_serve_template", ("1" if caches else "0",),
+                        start_timeout=timeout, what="template engine process")
+                try:
+                    return cls(caches, timeout, child=t.fork(what="engine process", timeout=timeout))
+                except ChildGone:
+                    if attempt:
+                        raise
+                    _TEMPLATES.pop(caches, None)   # the template died: start another once
+
+    @classmethod
+    def connect(cls, address: str, timeout: float = 300.0) -> "EngineClient":
+        from envserve.core.child import ChildProcess
+        return cls(timeout=timeout, child=ChildProcess.connect(address, what="engine process",
+                                                               timeout=min(timeout, 60.0)))
+
+    def copies(self, ttl_s: float) -> str:
+        return self._child.copies(ttl_s, timeout=self._timeout)
 
     @property
     def pid(self) -> int:

@@ -11,6 +11,7 @@ The engine runs in a child process per instance (engine.py): close() ends it.
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Mapping
 
 from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, Split
@@ -48,6 +49,9 @@ _DEFAULTS = {
     "expert": False,
     "isolation": "process",
     "engine_caches": True,
+    "engine_template": True,
+    "fork_copies": True,
+    "fork_copy_ttl_s": 30.0,
 }
 _DOCS = {
     "data_source": "auto (official data if found, else generated), official or generated",
@@ -62,9 +66,14 @@ _DOCS = {
     "unseen_floor_plans": "comma-separated floor plans used only by valid_unseen when generating",
     "success_reward": "reward when the task is done",
     "expert": "run alfworld's handcoded expert along: the state endpoint tells its next action",
-    "isolation": "process (an engine process per session) or none (in the worker; faster to open, "
-                 "but one engine crash takes the worker down)",
+    "isolation": "process (an engine process per session) or none (in the worker; no process to start, "
+                 "but one engine crash takes the worker down, and forks replay)",
     "engine_caches": "memoize the engine's PDDL translation and grammar parsing (same results, faster)",
+    "engine_template": "start a session's engine process as a fork of the worker's template engine (imports "
+                       "done; a few ms, their memory shared) instead of a fresh interpreter (about 1 s)",
+    "fork_copies": "Fork copies the engine process, game state and all (os.fork), instead of replaying the "
+                   "episode's actions in new engines; isolation=process only",
+    "fork_copy_ttl_s": "how long the frozen engine copy behind a Fork waits for its copies to connect",
 }
 
 # name -> (base splits, which task types), in seed-range order.
@@ -133,8 +142,9 @@ class AlfWorldEnv(Environment):
                                  f"seeds from {k * SPLIT_STRIDE:.0e}", k * SPLIT_STRIDE, max(1, _SIZES[name]))
                      for k, (name, _, _) in enumerate(_SPLITS)),
         default_action_format="free_think",
-        # The game state lives in the engine process: forks replay (seed, actions).
-        supports_snapshot=False,
+        # The game state lives in the engine process: a snapshot is a frozen fork of that process
+        # (fork_copies), else forks replay (seed, actions).
+        supports_snapshot=True,
     )
 
     def __init__(self, config: Mapping[str, Any]):
@@ -177,7 +187,37 @@ class AlfWorldEnv(Environment):
     # -- the engine ----------------------------------------------------------------------
     def _start_engine(self) -> None:
         caches = bool(self.config["engine_caches"])
-        self._engine = EngineClient(caches=caches) if self.config["isolation"] == "process" else Engine(caches=caches)
+        if self.config["isolation"] == "process":
+            self._engine = EngineClient.start(caches, template=bool(self.config["engine_template"]))
+        else:
+            self._engine = Engine(caches=caches)
+
+    # -- copies (Fork) -------------------------------------------------------------------
+    # What a session's episode is, besides the engine's own state.
+    _EPISODE_FIELDS = ("_game", "_game_file", "_game_key", "_state", "_intro", "_goal", "_done")
+
+    def snapshot(self):
+        """A frozen fork of the engine process that serves copies for fork_copy_ttl_s, and this
+        side's episode fields; None (replay instead) without an engine process to copy."""
+        c = self.config
+        if c["isolation"] != "process" or not c["fork_copies"] or self._lost or self._engine is None:
+            return None
+        try:
+            address = self._engine.copies(float(c["fork_copy_ttl_s"]))
+        except EngineGone:
+            return None     # the replay that follows reports the loss where it belongs
+        return {"engine": address, "fields": copy.deepcopy({k: getattr(self, k) for k in self._EPISODE_FIELDS})}
+
+    def restore(self, snap) -> None:
+        try:
+            engine = EngineClient.connect(snap["engine"])
+        except EngineGone as e:
+            raise SessionError("UNAVAILABLE", f"fork failed: the frozen ALFWorld engine copy is gone ({e}); "
+                                              f"fork again") from None
+        self.close()        # the engine this instance started with
+        self._engine, self._lost = engine, ""
+        for k, v in copy.deepcopy(snap["fields"]).items():
+            setattr(self, k, v)
 
     @property
     def engine_pid(self) -> int:
