@@ -2,11 +2,12 @@
 # Builds the envserve images (one per environment family, the HTTP facade, the judge, the trainer) with docker or podman.
 #   deploy/build-images.sh [--engine docker|podman] [--base-image IMAGE] [--tag TAG] [--pip-cert PATH]
 #                          [--wheels DIR] [--build-arg KEY=VALUE]... [IMAGE...]
-# IMAGE names a folder of deploy/ with a Dockerfile: grid, web, judge (the default set), redis (a local Redis
-# for machines with no registry), trainer (CPU torch), webshop (the grid Dockerfile with the webshop extra)... Each is tagged envserve-<name>:<tag>. trainer-cuda
-# is deploy/trainer/Dockerfile with CUDA torch and vLLM (envserve-trainer-cuda; needs the network).
-# --wheels DIR: a folder of wheels pip prefers (the trainer's torch), for machines that cannot reach the
-# PyTorch index; with it, --build-arg TORCH_INDEX_URL= (empty: PyPI for the rest).
+# IMAGE: grid, web, judge (the default set), webshop, scienceworld, alfworld, svg, navigation, maniskill,
+# trainer (CPU torch), trainer-cuda (CUDA torch and vLLM; needs the network), redis (a local Redis for
+# machines with no registry). Each is tagged envserve-<name>:<tag>, built from deploy/Dockerfile with
+# FAMILY=<name> (trainer-cuda: FAMILY=trainer and the CUDA arguments).
+# --wheels DIR: a folder of wheels pip prefers (the trainer's or maniskill's torch), for machines that cannot
+# reach the PyTorch index; with it, --build-arg TORCH_INDEX_URL= (empty: PyPI for the rest).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,7 +19,7 @@ wheels=""
 build_args=()
 images=()
 
-usage() { sed -n '2,9s/^# \{0,1\}//p' "$0"; }
+usage() { sed -n '2,10s/^# \{0,1\}//p' "$0"; }
 
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -63,24 +64,29 @@ fi
 TRAINER_CUDA_ARGS=(--build-arg CUDA=1 --build-arg TORCH_INDEX_URL= --build-arg TORCH_REQUIREMENT=torch==2.14.0
                    --build-arg TRAINER_EXTRAS=hf,plot,vllm)
 
+# Every name this script builds; each is a stage of deploy/Dockerfile (trainer-cuda: the trainer's).
+IMAGES=(grid webshop scienceworld alfworld svg navigation maniskill web judge trainer trainer-cuda redis)
+dockerfile=deploy/Dockerfile
+
 for name in "${images[@]}"; do
+  case " ${IMAGES[*]} " in
+    *" $name "*) ;;
+    *) echo "unknown image $name; one of: ${IMAGES[*]}" >&2; exit 2 ;;
+  esac
   variant=()
   case "$name" in
-    trainer-cuda) dockerfile=deploy/trainer/Dockerfile; variant=("${TRAINER_CUDA_ARGS[@]}") ;;
-    # WebShop is pure Python like the grid family: the grid Dockerfile with its extras.
-    webshop) dockerfile=deploy/grid/Dockerfile; variant=(--build-arg "EXTRAS=webshop directory") ;;
-    *) dockerfile=deploy/$name/Dockerfile ;;
+    trainer-cuda) family=trainer; variant=("${TRAINER_CUDA_ARGS[@]}") ;;
+    *) family=$name ;;
   esac
-  [ -f "$dockerfile" ] || { echo "no $dockerfile" >&2; exit 2; }
-  # Only the trainer's Dockerfile declares the "wheels" stage that this context replaces.
+  # The "wheels" stage that this context replaces is where pip looks for local wheels first.
   context=()
-  if [ -n "$wheels" ] && [ "$dockerfile" = deploy/trainer/Dockerfile ]; then
+  if [ -n "$wheels" ]; then
     context=(--build-context "wheels=$wheels")
   fi
   start=$(date +%s)
   echo "== building envserve-$name:$tag from $base_image with $engine"
   # The caller's --build-arg comes last, so it overrides a variant's.
-  "$engine" build "${args[@]}" "${variant[@]}" "${build_args[@]}" "${context[@]}" -f "$dockerfile" \
-    -t "envserve-$name:$tag" .
+  "$engine" build "${args[@]}" --build-arg "FAMILY=$family" "${variant[@]}" "${build_args[@]}" "${context[@]}" \
+    -f "$dockerfile" -t "envserve-$name:$tag" .
   echo "== envserve-$name:$tag built in $(( $(date +%s) - start )) s"
 done
