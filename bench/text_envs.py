@@ -12,7 +12,10 @@ Memory per session (`--memory N`): N ScienceWorld sessions opened and reset on o
 growth of the proportional set size (PSS: shared pages split among the processes sharing them) of
 the worker and its JVMs, divided by N; once with `sessions_per_jvm: 1` (a JVM per session, the
 earlier design) and once with the default (several sessions per JVM), and the steps/s of the same
-N sessions stepped as a batch under each. ALFWorld likewise (its engine process per session).
+N sessions stepped as a batch under each. ALFWorld likewise: an engine process per session either
+way, started as a fresh interpreter (`engine_template: false`, the earlier design) or forked from
+the worker's warmed template engine (the default). The template, started during the measurement,
+is counted in the per-session figure.
 
 Run: `.venv/bin/python bench/text_envs.py [--seconds 20] [--memory 16] [--json]`; with --json the last line
 is one JSON object (keys ratio_scienceworld, ratio_scienceworld_equal_work, ratio_alfworld,
@@ -163,8 +166,16 @@ def memory_report(sessions: int, seconds: float, only: str | None) -> dict:
                        ratio_scienceworld_shared_steps=round(shared_rate / own_rate, 3))
         if only in (None, "alfworld"):
             _, walk = alfworld_game(client)
-            mib, rate = memory_per_session(server, client, "alfworld", {}, ALF_SEED, walk, sessions, seconds)
-            out.update(alfworld_mib_per_session=round(mib, 1), alfworld_memory_steps_s=round(rate, 2))
+            own, own_rate = memory_per_session(server, client, "alfworld", {"engine_template": False}, ALF_SEED,
+                                               walk, sessions, seconds)
+            forked, forked_rate = memory_per_session(server, client, "alfworld", {}, ALF_SEED, walk, sessions,
+                                                     seconds)
+            out.update(alfworld_mib_per_session_own_interpreter=round(own, 1),
+                       alfworld_mib_per_session_template_fork=round(forked, 1),
+                       alfworld_own_interpreter_steps_s=round(own_rate, 2),
+                       alfworld_template_fork_steps_s=round(forked_rate, 2),
+                       ratio_alfworld_memory=round(forked / own, 3),
+                       ratio_alfworld_template_steps=round(forked_rate / own_rate, 3))
     return out
 
 

@@ -367,3 +367,49 @@ def test_killed_engine_loses_only_its_session_and_close_leaves_no_engine(server,
     assert a_engine.pid not in {p.pid for p in engine_children(worker)}
     assert [s.code for s in client.close_sessions([a, b])] == [0, 0]
     assert {p.pid for p in engine_children(worker)} == before
+
+
+def test_engines_fork_from_the_workers_template_and_outlive_it(server, client):
+    (worker,) = server.worker_pids()
+    a, b = client.open("alfworld", 2, {}, "no_think")
+    templates = [p for p in engine_children(worker) if p.ppid() == worker]
+    assert len(templates) == 1           # one template per worker (engine caches on)
+    (template,) = templates
+    ours = [p for p in engine_children(worker) if p.ppid() == template.pid]
+    assert len(ours) >= 2                 # the sessions' engines are its forks, not new interpreters
+    for s in (a, b):
+        client.reset_one(s, seed=2)
+    template.kill()
+    psutil.wait_procs([template], timeout=0.5)   # a zombie until the worker next looks at it
+    assert not template.is_running() or template.status() == psutil.STATUS_ZOMBIE
+    # Sessions' engines are processes of their own: the template's death loses nothing.
+    for s in (a, b):
+        assert client.step_one(s, answer("look")).action_valid
+    # The next session starts a new template.
+    c = client.open("alfworld", 1, {}, "no_think")[0]
+    client.reset_one(c, seed=2)
+    assert client.step_one(c, answer("look")).action_valid
+    now = [p for p in engine_children(worker) if p.ppid() == worker]
+    assert len(now) == 1 and now[0].pid != template.pid
+    assert [st.code for st in client.close_sessions([a, b, c])] == [0, 0, 0]
+
+
+def test_a_template_engine_shares_the_planner_file_and_a_second_planner_gets_a_copy(tmp_path):
+    """In an engine process the first PddlEnv maps fast-downward's own file; one made while it
+    is alive (a game generated beside a loaded game) maps a private copy, as PddlEnv always did."""
+    engine = EngineClient()      # an engine process of its own (a template's copies load the same way)
+    try:
+        game = engine.generate(3, "pick_and_place_simple", gen.all_floor_plans(), str(tmp_path))
+        engine.load(game, False)
+        maps = open(f"/proc/{engine.pid}/maps").read()
+        from fast_downward.interface import DOWNWARD_LIB_PATH
+        assert os.path.realpath(DOWNWARD_LIB_PATH) in maps
+        # A second game generated while the first is loaded planned with a private copy.
+        engine.generate(4, "pick_and_place_simple", gen.all_floor_plans(), str(tmp_path))
+        copies = {line.split()[-2] if line.endswith("(deleted)") else line.split()[-1]
+                  for line in maps.splitlines() + open(f"/proc/{engine.pid}/maps").read().splitlines()
+                  if "libdownward.so" in line}
+        assert len(copies) >= 2
+        assert engine.step("look")["valid"]
+    finally:
+        engine.close()

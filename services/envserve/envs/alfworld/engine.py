@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import random
 import re
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from envserve.core.child import ChildGone as EngineGone  # noqa: F401 - the name the env catches
 
@@ -130,6 +131,17 @@ class Engine:
         return {"feedback": state["feedback"], "admissible": self._admissible, "won": bool(state["won"]),
                 "valid": valid, "facts": facts, "expert_action": expert_action}
 
+    def warm(self, game_file: str) -> None:
+        """In a template engine: play a game's load once and drop it, so that what every load
+        builds alike (parsed grammar, the logic, the planner's code) is there, frozen, before
+        sessions' engines are forked from this one."""
+        import gc
+        self.load(game_file, False)
+        self.close()
+        self._game_file = ""
+        gc.collect()
+        gc.freeze()
+
     def generate(self, seed: int, task_type: str, floor_plans: list[int], root: str) -> str:
         """Generate (and check with the expert) a game here, in the engine's process."""
         from .generate import generate_solvable
@@ -141,9 +153,53 @@ class Engine:
         self._env = None
 
 
+# The planner library an engine process loads from the package's own file (share_planner_library).
+_SHARED_PLANNER: dict[str, Any] = {"lib": None}
+
+
+def share_planner_library() -> None:
+    """For a process that plays one game at a time: each PddlEnv's planner library is the package's
+    file itself, not a private copy (fast_downward.load_lib copies the 33 MB library per PddlEnv so
+    that several can plan side by side in one process; per session those copies were a third of
+    its memory, and a shared file's pages are shared by every engine on the machine). A second
+    PddlEnv while the first is alive (a game generated beside a loaded one) gets a private copy."""
+    import types
+
+    import fast_downward
+    from fast_downward import interface
+
+    if getattr(fast_downward.load_lib, "shares_planner", False):
+        return
+    private_copy = fast_downward.load_lib
+
+    def load_lib():
+        if _SHARED_PLANNER["lib"] is not None:
+            return private_copy()
+        # load_lib copies the file, then loads the copy: a link to the file instead makes the
+        # loader find the library it already has (same file), whose state PddlEnv resets per game.
+        real = interface.shutil
+        interface.shutil = types.SimpleNamespace(copyfile=os.symlink)
+        try:
+            lib = private_copy()
+        finally:
+            interface.shutil = real
+        _SHARED_PLANNER["lib"] = lib
+        return lib
+
+    load_lib.shares_planner = True
+    fast_downward.load_lib = load_lib
+
+
+def release_planner(lib) -> None:
+    """The PddlEnv holding the shared library has been closed: the next one may take it."""
+    if lib is not None and lib is _SHARED_PLANNER["lib"]:
+        _SHARED_PLANNER["lib"] = None
+
+
 def _serve(fd: int, caches: str) -> None:
     """The child: core.child's loop over an Engine (caches arrives as "1" or "0")."""
     from envserve.core.child import serve
+    share_planner_library()
     engine = Engine(caches=caches == "1")
     serve(fd, lambda op, args: getattr(engine, op)(*args))
 
@@ -157,13 +213,31 @@ def warm_imports() -> None:
 
 def _serve_template(fd: int, caches: str) -> None:
     """A template engine: imports done, no game; sessions' engines are forks of it."""
+    import gc
     warm_imports()
+    # What is imported now stays shared with the copies only while no one writes to its pages:
+    # frozen objects are not traversed (and so not written) by the copies' garbage collector.
+    gc.collect()
+    gc.freeze()
     _serve(fd, caches)
 
 
 # This worker's template engines, by caches on/off (started on first use, replaced when dead).
 _TEMPLATES: dict[bool, Any] = {}
 _TEMPLATES_LOCK = threading.Lock()
+
+
+def _warm(template, game_file: str, timeout: float) -> None:
+    """Engine.warm in a template, once; best effort (a cold template still works, a dead one is
+    replaced when the next engine is started)."""
+    from envserve.core.child import ChildGone
+    if getattr(template, "warmed", False):
+        return
+    template.warmed = True
+    try:
+        template.call("warm", game_file, timeout=timeout)
+    except (ChildGone, RuntimeError):
+        pass
 
 
 class EngineClient:
@@ -181,7 +255,11 @@ class EngineClient:
                                             start_timeout=timeout, what="engine process")
 
     @classmethod
-    def start(cls, caches: bool = True, template: bool = True, timeout: float = 300.0) -> "EngineClient":
+    def start(cls, caches: bool = True, template: bool = True, timeout: float = 300.0,
+              warm_game: Callable[[], str] | None = None) -> "EngineClient":
+        """An engine of its own: forked from the worker's template (started on first use, and
+        warmed with the game file warm_game() names, if any, before its first copy) or,
+        template=False, a fresh interpreter."""
         from envserve.core.child import ChildGone, ChildProcess
         if not template:
             return cls(caches, timeout)
@@ -192,12 +270,25 @@ class EngineClient:
                     t = _TEMPLATES[caches] = ChildProcess(
                         "envserve.envs.alfworld.engine:_serve_template", ("1" if caches else "0",),
                         start_timeout=timeout, what="template engine process")
+                if warm_game is not None and not getattr(t, "warmed", False):
+                    path = warm_game()
+                    if path:
+                        _warm(t, path, timeout)
                 try:
                     return cls(caches, timeout, child=t.fork(what="engine process", timeout=timeout))
                 except ChildGone:
                     if attempt:
                         raise
                     _TEMPLATES.pop(caches, None)   # the template died: start another once
+
+    @staticmethod
+    def warm_template(caches: bool, game_file: str) -> None:
+        """Has the worker's template engine load a game once (Engine.warm), the first time a game
+        is loaded in this worker; later sessions' engines start warm. Best effort."""
+        with _TEMPLATES_LOCK:
+            t = _TEMPLATES.get(caches)
+            if t is not None and t.alive():
+                _warm(t, game_file, 300.0)
 
     @classmethod
     def connect(cls, address: str, timeout: float = 300.0) -> "EngineClient":

@@ -188,9 +188,19 @@ class AlfWorldEnv(Environment):
     def _start_engine(self) -> None:
         caches = bool(self.config["engine_caches"])
         if self.config["isolation"] == "process":
-            self._engine = EngineClient.start(caches, template=bool(self.config["engine_template"]))
+            self._engine = EngineClient.start(caches, template=bool(self.config["engine_template"]),
+                                              warm_game=self._any_game_file)
         else:
             self._engine = Engine(caches=caches)
+
+    def _any_game_file(self) -> str:
+        """A game on disk to warm the template engine with ("" when none is yet)."""
+        for games in self._splits.values():
+            for ref in games[:1]:
+                path = ref.path or (self._generated.existing(ref) if self._generated else "")
+                if path:
+                    return path
+        return ""
 
     # -- copies (Fork) -------------------------------------------------------------------
     # What a session's episode is, besides the engine's own state.
@@ -264,6 +274,8 @@ class AlfWorldEnv(Environment):
         ref = self.game_of_seed(int(seed or 0))
         path = self._game_path(ref)
         self._state = self._call("load", path, bool(self.config["expert"]))
+        if self.config["isolation"] == "process" and self.config["engine_template"]:
+            EngineClient.warm_template(bool(self.config["engine_caches"]), path)
         self._game, self._game_file = ref, path
         # base split / task folder / trial: the same on every machine, unlike the path.
         self._game_key = "/".join(path.replace("\\", "/").split("/")[-4:-1])

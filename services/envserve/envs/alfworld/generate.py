@@ -416,8 +416,10 @@ def _close_engine(env) -> None:
     while inner is not None and not hasattr(inner, "downward_lib"):
         inner = getattr(inner, "_wrapped_env", None)
     if inner is not None and inner.downward_lib is not None:
+        from .engine import release_planner
         with contextlib.suppress(Exception):
             inner.downward_lib.cleanup()
+        release_planner(inner.downward_lib)
         inner.downward_lib = None
 
 
