@@ -27,9 +27,9 @@ from envserve_trainer.process.branching import (BRANCH, INDEPENDENT, INITIAL, Br
 from envserve_trainer.process.training import build_method
 from envserve_trainer.prompting import ChatLayout, ContextBuilder
 from envserve_trainer.rollout import Task
-from envserve_trainer.train import Connection, Trainer, allowed_token_ids, build_policy_model
+from envserve_trainer.train import Connection, allowed_token_ids, build_policy_model
 
-from test_training_e2e import FROZENLAKE_GRPO  # noqa: E402  (same folder: the e2e test's small run)
+from test_training_e2e import FROZENLAKE_GRPO, run_training  # noqa: E402  (same folder: the e2e test's small run)
 
 M, N, Z = 6, 2, 2
 FORCED = {"alpha": 1.0}                   # P = 1 + 0.2 dH > 0.5 for any |dH| <= 1 (log_vocab scale)
@@ -193,12 +193,7 @@ def test_the_entropy_change_is_measured_against_the_first_answer(server, policy)
 def test_one_arpo_iteration_trains_on_m_trajectories_per_task_and_logs_the_branching(server, tmp_path):
     before = _live(server.address)
     cfg = _cfg(**FORCED)
-    trainer = Trainer(cfg, tmp_path, Connection(env_address=server.address))
-    start = weights_digest(trainer.learner.model)
-    try:
-        records = asyncio.run(trainer.run())
-    finally:
-        trainer.close()
+    trainer, start, records = run_training(cfg, server.address, tmp_path)
     (r,) = records
     p = r["process"]
     tasks = cfg.rollout.tasks_per_iteration

@@ -4,8 +4,6 @@ policy), InversePRM (the expert's transitions against the policy's) and ProgRM (
 successes, progress labels, progress rewards), each for two iterations with the tiny model."""
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import pytest
 
@@ -16,10 +14,10 @@ from envserve.v1 import envserve_pb2_grpc as pb_grpc
 from envserve_trainer.config import TrainConfig
 from envserve_trainer.model import weights_digest
 from envserve_trainer.process.training import ProgRM, action_key, transitions
-from envserve_trainer.train import Connection, Trainer
+from envserve_trainer.train import Connection
 from envserve_trainer.trajectory import Episode, Turn
 
-from test_training_e2e import FROZENLAKE_GRPO  # noqa: E402  (same folder: the e2e test's small run)
+from test_training_e2e import FROZENLAKE_GRPO, run_training  # noqa: E402  (same folder: the e2e test's small run)
 
 # The e2e test's FrozenLake run, on REINFORCE++ (per-step rewards count) with KL to the previous policy.
 BASE = {**FROZENLAKE_GRPO, "algo": {"estimator": "reinforce_pp"},
@@ -44,13 +42,7 @@ def _live(address: str) -> list[str]:
 
 
 def _run(cfg, server, tmp_path):
-    trainer = Trainer(cfg, tmp_path, Connection(env_address=server.address))
-    start = weights_digest(trainer.learner.model)
-    try:
-        records = asyncio.run(trainer.run())
-    finally:
-        trainer.close()
-    return trainer, start, records
+    return run_training(cfg, server.address, tmp_path)
 
 
 def test_agentprm_forks_trains_its_scorer_and_keeps_kl_to_the_previous_policy(server, tmp_path):
@@ -91,7 +83,6 @@ def test_inverse_prm_separates_the_experts_transitions_from_the_policys(server, 
 
 def test_progrm_labels_a_trajectory_by_its_clusters_recipe(server, tmp_path):
     cfg = _cfg(process={"method": "progrm"})
-    from envserve_trainer.model import build_small_model
     from envserve_trainer.train import build_policy_model
     model, tok = build_policy_model(cfg, "cpu", Connection(env_address=server.address))
     method = ProgRM(cfg, model, tok)

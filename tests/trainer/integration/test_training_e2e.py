@@ -48,14 +48,21 @@ def _cfg(**sections) -> TrainConfig:
     return TrainConfig.from_mapping(data)
 
 
-def test_two_grpo_iterations_learn_save_reload_and_resume(server, tmp_path):
-    cfg = _cfg()
-    trainer = Trainer(cfg, tmp_path, Connection(env_address=server.address))
+def run_training(cfg: TrainConfig, address: str, out_dir) -> tuple[Trainer, str, list[dict]]:
+    """One Trainer.run() against the replica at address: (the closed trainer, the digest of its
+    weights before, the iteration records)."""
+    trainer = Trainer(cfg, out_dir, Connection(env_address=address))
     start = weights_digest(trainer.learner.model)
     try:
         records = asyncio.run(trainer.run())
     finally:
         trainer.close()
+    return trainer, start, records
+
+
+def test_two_grpo_iterations_learn_save_reload_and_resume(server, tmp_path):
+    cfg = _cfg()
+    trainer, start, records = run_training(cfg, server.address, tmp_path)
     assert [r["iteration"] for r in records] == [1, 2]
     for r in records:
         assert r["update"]["samples"] > 0
