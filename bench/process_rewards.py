@@ -18,16 +18,14 @@ one after the other on the same replica:
 Reported per env: wall seconds, env steps and sessions opened of each, and the speed-ups
 fork_speedup = replay / fork wall time (issue 18's target on ALFWorld: >= 3x).
 
-ALFWorld keeps a game's state in the TextWorld engine, which cannot be copied: its Fork builds a
-new engine per fork (a process with isolation=process, the env's default; in the worker with
-isolation=none, where every engine leaves a 33 MB planner copy loaded, so a worker grows by
-gigabytes over 512 forks) and replays the prefix inside the worker. A new engine costs about
-2.5 CPU-seconds (start, load the game), so the default run takes 8 states there (64 forks, about
-4 minutes in all); 64 states is the issue's figure and takes about 25 minutes on 2 cores. At most
-`--max-alive` (32) rollout sessions are open at once either way, so replay reuses 32 sessions.
+ALFWorld keeps a game's state in its engine process: Fork copies that process (os.fork of a frozen
+copy, one copy per fork; the env's fork_copies), where replay resets sessions and steps each
+prefix again. The issue's figure, 64 states x 8 rollouts, takes about 7 minutes on 2 cores (most
+of it the replay); `--alfworld-states 8` is a quick look. At most `--max-alive` (32) rollout
+sessions are open at once either way, so replay reuses 32 sessions.
 
-    python bench/process_rewards.py --json                     # ALFWorld 8 x 8, Sokoban 64 x 8
-    python bench/process_rewards.py --envs alfworld --alfworld-states 64 --json
+    python bench/process_rewards.py --json                     # ALFWorld and Sokoban, 64 x 8 each
+    python bench/process_rewards.py --envs alfworld --alfworld-states 8 --json   # a quick look
 """
 from __future__ import annotations
 
@@ -147,7 +145,7 @@ def main() -> int:
     ap.add_argument("--gamma", type=float, default=1.0)
     ap.add_argument("--max-depth", type=int, default=12, help="deepest state, in turns from the reset")
     ap.add_argument("--max-alive", type=int, default=32, help="rollout sessions alive at once (both ways)")
-    ap.add_argument("--alfworld-states", type=int, default=8, help="states on ALFWorld (--states elsewhere)")
+    ap.add_argument("--alfworld-states", type=int, default=64, help="states on ALFWorld (--states elsewhere)")
     ap.add_argument("--alfworld-isolation", default="process", choices=("process", "none"))
     ap.add_argument("--replay-fresh", action=argparse.BooleanOptionalAction, default=None,
                     help="also time replay with a new session per rollout (default: not on ALFWorld)")

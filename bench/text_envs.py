@@ -148,34 +148,27 @@ def memory_per_session(server: ServerProcess, client: EnvClient, env_id: str, co
     return per_session, service_rate(client, env_id, config, seed, actions, sessions, seconds)
 
 
+def earlier_and_now(server: ServerProcess, client: EnvClient, env_id: str, earlier: dict, seed: int,
+                    actions: list[str], sessions: int, seconds: float, names: tuple[str, str]) -> dict:
+    """Memory per session and steps/s under the earlier design's config and under the defaults."""
+    old, old_rate = memory_per_session(server, client, env_id, earlier, seed, actions, sessions, seconds)
+    new, new_rate = memory_per_session(server, client, env_id, {}, seed, actions, sessions, seconds)
+    return {f"{env_id}_mib_per_session_{names[0]}": round(old, 1), f"{env_id}_mib_per_session_{names[1]}": round(new, 1),
+            f"{env_id}_{names[0]}_steps_s": round(old_rate, 2), f"{env_id}_{names[1]}_steps_s": round(new_rate, 2),
+            f"ratio_{env_id}_memory": round(new / old, 3), f"ratio_{env_id}_{names[1]}_steps": round(new_rate / old_rate, 3)}
+
+
 def memory_report(sessions: int, seconds: float, only: str | None) -> dict:
     out: dict = {"memory_sessions": sessions}
     with ServerProcess(["scienceworld", "alfworld"], workers=1, metrics=False) as server, \
             EnvClient(server.address) as client:
         if only in (None, "scienceworld"):
-            seed = _sw_seed()
-            own, own_rate = memory_per_session(server, client, "scienceworld", {"sessions_per_jvm": 1}, seed,
-                                               SW_ACTIONS, sessions, seconds)
-            shared, shared_rate = memory_per_session(server, client, "scienceworld", {}, seed,
-                                                     SW_ACTIONS, sessions, seconds)
-            out.update(scienceworld_mib_per_session_own_jvm=round(own, 1),
-                       scienceworld_mib_per_session_shared_jvm=round(shared, 1),
-                       scienceworld_own_jvm_steps_s=round(own_rate, 1),
-                       scienceworld_shared_jvm_steps_s=round(shared_rate, 1),
-                       ratio_scienceworld_memory=round(shared / own, 3),
-                       ratio_scienceworld_shared_steps=round(shared_rate / own_rate, 3))
+            out.update(earlier_and_now(server, client, "scienceworld", {"sessions_per_jvm": 1}, _sw_seed(),
+                                       SW_ACTIONS, sessions, seconds, ("own_jvm", "shared_jvm")))
         if only in (None, "alfworld"):
             _, walk = alfworld_game(client)
-            own, own_rate = memory_per_session(server, client, "alfworld", {"engine_template": False}, ALF_SEED,
-                                               walk, sessions, seconds)
-            forked, forked_rate = memory_per_session(server, client, "alfworld", {}, ALF_SEED, walk, sessions,
-                                                     seconds)
-            out.update(alfworld_mib_per_session_own_interpreter=round(own, 1),
-                       alfworld_mib_per_session_template_fork=round(forked, 1),
-                       alfworld_own_interpreter_steps_s=round(own_rate, 2),
-                       alfworld_template_fork_steps_s=round(forked_rate, 2),
-                       ratio_alfworld_memory=round(forked / own, 3),
-                       ratio_alfworld_template_steps=round(forked_rate / own_rate, 3))
+            out.update(earlier_and_now(server, client, "alfworld", {"engine_template": False}, ALF_SEED,
+                                       walk, sessions, seconds, ("own_interpreter", "template_fork")))
     return out
 
 
