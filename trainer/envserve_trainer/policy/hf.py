@@ -214,7 +214,17 @@ def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator) -> int:
     return idx
 
 
-class HFPolicy:
+class ChatFromIds:
+    """Policy.generate for a backend that samples from token ids (generate_from_ids) with a local
+    tokenizer: chat prompts rendered by encode_chat (HFPolicy, VLLMPolicy)."""
+
+    def generate(self, prompts: Sequence[Sequence[Message]], max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, seed: int | None = None) -> list[Generation]:
+        ids = [encode_chat(self.tokenizer, messages) for messages in prompts]
+        return self.generate_from_ids(ids, max_new_tokens, temperature, top_p, seed)
+
+
+class HFPolicy(ChatFromIds):
     """Policy backend over a transformers causal LM in this process (CPU or one GPU).
 
     The model object may be the one the trainer updates: generation switches it to eval mode and
@@ -241,11 +251,6 @@ class HFPolicy:
         if self.model is None:
             raise RuntimeError("this policy is closed")
         return self.model
-
-    def generate(self, prompts: Sequence[Sequence[Message]], max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, seed: int | None = None) -> list[Generation]:
-        ids = [encode_chat(self.tokenizer, messages) for messages in prompts]
-        return self.generate_from_ids(ids, max_new_tokens, temperature, top_p, seed)
 
     @torch.no_grad()
     def generate_from_ids(self, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 1.0,

