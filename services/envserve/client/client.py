@@ -39,7 +39,21 @@ def auth_metadata(token: str | None) -> tuple:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-class EnvClient:
+class ChannelOwner:
+    """A blocking client that owns its channel: close() and use as a context manager."""
+    channel: grpc.Channel
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class EnvClient(ChannelOwner):
     """Batch calls return one StepResult per item, in order; an item's failure is in its
     `status` (see errors.check), never an exception for the whole batch. Calls that fail as a
     whole raise EnvServeError subclasses carrying the gRPC code.
@@ -112,14 +126,6 @@ class EnvClient:
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
-    def close(self) -> None:
-        self.channel.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def decode_image(image: pb.Image):

@@ -14,7 +14,7 @@ import grpc
 from envserve.v1 import envserve_pb2 as pb
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
 
-from .client import auth_metadata, make_channel
+from .client import ChannelOwner, auth_metadata, make_channel
 from .errors import from_rpc_error
 
 
@@ -66,7 +66,7 @@ def _request(tasks: Iterable["JudgeTask | pb.JudgeItem"]) -> pb.JudgeRequest:
     return pb.JudgeRequest(items=[t.to_proto() if isinstance(t, JudgeTask) else t for t in tasks])
 
 
-class JudgeClient:
+class JudgeClient(ChannelOwner):
     """Blocking client: `judge` returns every result of a batch, in order of completion."""
 
     def __init__(self, address: str, token: str | None = None, root_certificates=None, tls: bool = False,
@@ -87,14 +87,6 @@ class JudgeClient:
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
-    def close(self) -> None:
-        self.channel.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 class AsyncJudgeClient:
