@@ -371,12 +371,19 @@ def test_killed_engine_loses_only_its_session_and_close_leaves_no_engine(server,
 
 def test_engines_fork_from_the_workers_template_and_outlive_it(server, client):
     (worker,) = server.worker_pids()
+
+    def engines_of_new_sessions(before):
+        return [p for p in engine_children(worker) if p.pid not in before and p.ppid() != worker]
+
+    before = {p.pid for p in engine_children(worker)}
     a, b = client.open("alfworld", 2, {}, "no_think")
-    templates = [p for p in engine_children(worker) if p.ppid() == worker]
-    assert len(templates) == 1           # one template per worker (engine caches on)
-    (template,) = templates
-    ours = [p for p in engine_children(worker) if p.ppid() == template.pid]
-    assert len(ours) >= 2                 # the sessions' engines are its forks, not new interpreters
+    ours = engines_of_new_sessions(before)
+    assert len(ours) == 2
+    # The sessions' engines are forks of one template (the worker's, for engine caches on), not new
+    # interpreters: their parent is an engine process that is the worker's child.
+    (template_pid,) = {p.ppid() for p in ours}
+    template = psutil.Process(template_pid)
+    assert template.ppid() == worker and "alfworld.engine" in " ".join(template.cmdline())
     for s in (a, b):
         client.reset_one(s, seed=2)
     template.kill()
@@ -386,11 +393,12 @@ def test_engines_fork_from_the_workers_template_and_outlive_it(server, client):
     for s in (a, b):
         assert client.step_one(s, answer("look")).action_valid
     # The next session starts a new template.
+    before = {p.pid for p in engine_children(worker)}
     c = client.open("alfworld", 1, {}, "no_think")[0]
     client.reset_one(c, seed=2)
     assert client.step_one(c, answer("look")).action_valid
-    now = [p for p in engine_children(worker) if p.ppid() == worker]
-    assert len(now) == 1 and now[0].pid != template.pid
+    (c_engine,) = engines_of_new_sessions(before)
+    assert c_engine.ppid() != template.pid and psutil.Process(c_engine.ppid()).ppid() == worker
     assert [st.code for st in client.close_sessions([a, b, c])] == [0, 0, 0]
 
 
