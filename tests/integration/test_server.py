@@ -232,3 +232,32 @@ def test_gym_adapter(grid_server):
     obs, reward, terminated, truncated, info = env.step("not an answer")
     assert not info["action_valid"] and reward < 0
     env.close()
+
+
+def test_thousands_of_concurrent_unary_steps_are_queued_not_cancelled(grid_server):
+    """Each of 2,048 sessions awaits its own unary Step at once: more calls than grpc core keeps
+    waiting by default (it cancelled some beyond 1,000); every one is answered."""
+    from envserve.v1 import envserve_pb2 as pb
+    from envserve.v1 import envserve_pb2_grpc as pb_grpc
+
+    async def run() -> list[str]:
+        async with grpc.aio.insecure_channel(grid_server.address) as ch:
+            stub = pb_grpc.EnvServiceStub(ch)
+            ids = list((await stub.Open(pb.OpenRequest(env_id="frozenlake", count=2048))).session_ids)
+            await stub.Reset(pb.ResetRequest(items=[pb.ResetItem(session_id=s, seed=0) for s in ids]))
+            errors: list[str] = []
+
+            async def session(sid: str) -> None:
+                for _ in range(2):
+                    try:
+                        reply = await stub.Step(pb.StepRequest(items=[pb.StepItem(session_id=sid,
+                                                                                   action="<answer>Left</answer>")]))
+                        assert reply.results[0].status.code == 0
+                    except grpc.aio.AioRpcError as e:
+                        errors.append(e.code().name)
+
+            await asyncio.gather(*[session(s) for s in ids])
+            await stub.Close(pb.CloseRequest(session_ids=ids))
+            return errors
+
+    assert asyncio.run(run()) == []

@@ -26,6 +26,7 @@ from grpc_health.v1._async import HealthServicer
 
 from envserve.rpc.auth import Authenticator
 from envserve.rpc.parsing import add_health_and_reflection, add_service
+from envserve.rpc.serving import server_options
 from envserve.rpc.tls import server_credentials
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
 
@@ -116,7 +117,7 @@ class JudgeServer:
         self.source = truth_source(self.config)
         self.core = JudgeCore(self.source, self.selection, self.scoring, self.config.max_concurrent_items,
                               self.metrics)
-        self.server = grpc.aio.server()
+        self.server = grpc.aio.server(options=server_options())
         add_service(pb_grpc.add_JudgeServiceServicer_to_server,
                     JudgeServicer(self.core, Authenticator(self.config.tokens)), self.server)
         add_health_and_reflection(self.server, self.health, (SERVICE_NAME,))

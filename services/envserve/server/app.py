@@ -17,6 +17,7 @@ from envserve.v1 import envserve_pb2_grpc as pb_grpc
 from envserve.directory import Directory, DirectoryUnavailable, ReplicaInfo, open_directory
 
 from envserve.rpc.parsing import add_handlers, add_health_and_reflection, add_service
+from envserve.rpc.serving import server_options
 from envserve.rpc.tls import server_credentials
 
 from .config import ServerConfig
@@ -71,9 +72,7 @@ class ReplicaServer:
         self._stopped = asyncio.Event()
 
     async def start(self) -> int:
-        opts = [("grpc.max_receive_message_length", self.config.max_message_bytes),
-                ("grpc.max_send_message_length", self.config.max_message_bytes),
-                ("grpc.so_reuseport", 0)]
+        opts = [*server_options(self.config.max_message_bytes, self.config.max_pending_calls), ("grpc.so_reuseport", 0)]
         self.server = grpc.aio.server(options=opts)
         add_env_service(EnvService(self.replica), self.server)
         add_service(pb_grpc.add_StateServiceServicer_to_server, StateService(self.replica), self.server)

@@ -22,6 +22,9 @@ class ServerConfig:
     # Lost sessions answer 'session lost' for this long, then 'unknown session'.
     lost_memory_seconds: float = 3600.0
     max_message_bytes: int = 64 * 1024 * 1024
+    # Calls gRPC queues for the servicer before it refuses more (rpc/serving.py: grpc core's own
+    # limit cancelled calls beyond 1,000 waiting ones).
+    max_pending_calls: int = 65_536
     replica_id: str = ""
     # The directory replicas register in (memory:// in this process, or redis://host:port/db).
     directory_url: str = "memory://"
