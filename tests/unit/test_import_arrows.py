@@ -30,8 +30,9 @@ ALLOWED: dict[str, set[str]] = {
     "demo": {"client"},
     "containers": {"directory"},
     "package": set(),                       # envserve/__init__.py: the version only
-    # The trainer reaches envserve through the client; common's HTTP retry loop it shares with the judge.
-    "trainer": {"client", "common"},
+    # The trainer reaches envserve through the client alone (the HTTP retry loop it shares with the
+    # judge is client.http_retry).
+    "trainer": {"client"},
 }
 # The command line is the composition root: it starts servers, the judge, the facade and clients.
 ROOTS = {"cli"}

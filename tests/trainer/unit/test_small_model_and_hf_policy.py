@@ -125,8 +125,7 @@ TRAINER_SOURCE = Path(__file__).resolve().parents[3] / "trainer" / "envserve_tra
 
 def test_trainer_reaches_envserve_only_through_the_client():
     # Every import of envserve in the trainer, at module level or inside a function, is envserve.client
-    # (or below it), or envserve.common, the neutral helpers both sides may use (docs/ARCHITECTURE.md):
-    # environments, server and core stay on the other side of the wire.
+    # (or below it): environments, server and core stay on the other side of the wire.
     seen = []
     for path in sorted(TRAINER_SOURCE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -136,9 +135,7 @@ def test_trainer_reaches_envserve_only_through_the_client():
                 if name == "envserve" or name.startswith("envserve."):
                     seen.append((path.name, name))
     assert seen, "the trainer imports the client somewhere"
-    assert any(name.startswith("envserve.client") for _, name in seen)
-    assert [x for x in seen if not any(x[1] == top or x[1].startswith(top + ".")
-                                       for top in ("envserve.client", "envserve.common"))] == []
+    assert [x for x in seen if not (x[1] == "envserve.client" or x[1].startswith("envserve.client."))] == []
 
 
 # -- model ----------------------------------------------------------------------------------------

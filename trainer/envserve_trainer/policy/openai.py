@@ -18,7 +18,7 @@ Retried, up to `max_retries` times: connect errors, timeouts, 408, 409, 429 and 
 server's Retry-After when it sends one (and it is within `backoff_max_s`), else after an exponential
 backoff with jitter (base * 2^n capped at backoff_max_s, drawn from [d/2, d]). Other 4xx fail at
 once with the server's message: asking again will not fix a wrong model name or key. The retry loop
-is envserve.common.http_retry, shared with the LLM judge.
+is envserve.client.http_retry, shared with the LLM judge.
 
 The HTTP client lives on a private event loop in a background thread, so `generate` works from plain
 code and from inside someone else's event loop alike (`agenerate` awaits the same work without
@@ -37,7 +37,7 @@ from typing import Any, Mapping, Sequence
 
 from envserve.client.settings import typed_fields
 # retry_after_s: re-exported, part of this module's tested surface before the loop moved to common.
-from envserve.common.http_retry import Counters, RetryPolicy, post_with_retries, retry_after_s  # noqa: F401
+from envserve.client.http_retry import Counters, RetryPolicy, post_with_retries, retry_after_s  # noqa: F401
 
 from .base import FINISH_LENGTH, FINISH_STOP, Generation, Message, Weights
 from .hf import row_seed
