@@ -138,6 +138,18 @@ class ModelServer:
         with self._changed:
             return sum(1 for line in self.output if _REQUEST_LINE.search(line))
 
+    def settled_completions(self, quiet_s: float = 1.0, timeout: float = 30.0) -> int:
+        """The completions served once the log has been quiet for quiet_s: the server logs a request
+        after its response, so a count read right after an earlier test's calls can still grow."""
+        deadline = time.time() + timeout
+        with self._changed:
+            while time.time() < deadline:
+                seen = len(self.output)
+                self._changed.wait(quiet_s)
+                if len(self.output) == seen:
+                    break
+        return self.completions_served()
+
     def wait_completions(self, n: int, timeout: float = 30.0) -> int:
         """Waits until the server has logged `n` completions (its log line follows the response)."""
         deadline = time.time() + timeout

@@ -72,7 +72,7 @@ def test_yesno_judgment_from_a_real_model_server(judge_model_server, tiny_judge_
     before, _ = sokoban_turns
     item = JudgeInput("sokoban", GROUNDING, TEXT, before)
     judge = make_judge(judge_model_server)
-    served = judge_model_server.completions_served()
+    served = judge_model_server.settled_completions()
 
     async def main():
         try:
@@ -124,7 +124,7 @@ def test_world_modelling_prompt_reaches_the_server(judge_model_server, tiny_judg
 def test_concurrency_limit_against_the_server(judge_model_server, sokoban_turns):
     before, _ = sokoban_turns
     judge = make_judge(judge_model_server, max_concurrency=2)
-    served = judge_model_server.completions_served()
+    served = judge_model_server.settled_completions()
     texts = [f"{TEXT} Note {i}." for i in range(5)]
 
     async def main():
@@ -148,7 +148,7 @@ def test_structured_mode_takes_the_random_reply_as_malformed(judge_model_server,
     _, tokenizer = tiny_judge_model
     before, _ = sokoban_turns
     judge = make_judge(judge_model_server, mode="structured")
-    served = judge_model_server.completions_served()
+    served = judge_model_server.settled_completions()
 
     async def main():
         try:

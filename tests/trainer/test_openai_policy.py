@@ -102,7 +102,7 @@ def test_seeded_sampling_repeats_and_rows_differ(served_model):
 
 def test_concurrency_limit_against_the_server(served_model):
     *_, server = served_model
-    served = server.completions_served()
+    served = server.settled_completions()
     with make_policy(server.base_url, server.model, max_concurrency=2) as policy:
         gens = policy.generate(PROMPTS, 4, temperature=0.0)
         stats = policy.stats()
