@@ -6,20 +6,9 @@ these from its YAML/CLI with `from_mapping`, which refuses unknown keys and wron
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, TypeVar
+from typing import Any, Mapping
 
-from envserve.client.settings import typed_fields
-
-_C = TypeVar("_C")
-
-
-def _from_mapping(cls: type[_C], data: Mapping[str, Any] | None) -> _C:
-    return cls(**typed_fields(cls, data, cls.__name__))
-
-
-def _unit(name: str, value: float) -> None:
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name} must be in [0, 1], got {value}")
+from .checks import from_mapping, unit
 
 
 @dataclass(frozen=True)
@@ -75,11 +64,11 @@ class AdvantageConfig:
             raise ValueError(f"std_ddof must be 0 (population) or 1 (sample), got {self.std_ddof}")
         for name in ("gigpo_gamma", "reinforce_gamma", "lamer_gamma_traj", "lamer_gamma_step", "gae_gamma", "gae_lam",
                      "gamma_turn", "lambda_turn", "gamma_token", "lambda_token"):
-            _unit(name, getattr(self, name))
+            unit(name, getattr(self, name))
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any] | None) -> "AdvantageConfig":
-        return _from_mapping(cls, data)
+        return from_mapping(cls, data)
 
 
 @dataclass(frozen=True)
@@ -106,8 +95,8 @@ class RewardConfig:
     beta_world_modeling: float = 0.5
 
     def __post_init__(self) -> None:
-        _unit("plan_decay", self.plan_decay)
+        unit("plan_decay", self.plan_decay)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any] | None) -> "RewardConfig":
-        return _from_mapping(cls, data)
+        return from_mapping(cls, data)

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 from envserve.client.settings import typed_fields
 
 from .algo_config import AdvantageConfig, RewardConfig
+from .checks import one_of
 from .process.config import (AgentPRMConfig, ARPOConfig, InversePRMConfig, IPRConfig, ProgRMConfig,
                              RROConfig)
 
@@ -96,10 +97,8 @@ class RolloutSection:
     def __post_init__(self) -> None:
         if self.group_size < 1 or self.tasks_per_iteration < 1:
             raise ValueError("rollout.group_size and rollout.tasks_per_iteration must be >= 1")
-        if self.template not in TEMPLATES:
-            raise ValueError(f"rollout.template must be one of {TEMPLATES}, got {self.template!r}")
-        if self.memory not in MEMORY_MODES:
-            raise ValueError(f"rollout.memory must be one of {MEMORY_MODES}, got {self.memory!r}")
+        one_of("rollout.template", self.template, TEMPLATES)
+        one_of("rollout.memory", self.memory, MEMORY_MODES)
         if self.episodes_per_trial < 1:
             raise ValueError(f"rollout.episodes_per_trial must be >= 1, got {self.episodes_per_trial}")
         for name in ("max_turns", "history_turns", "max_new_tokens"):
@@ -119,8 +118,7 @@ class AlgoSection:
     reward: RewardConfig = field(default_factory=RewardConfig)
 
     def __post_init__(self) -> None:
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"algo.estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
+        one_of("algo.estimator", self.estimator, ESTIMATORS)
 
     @property
     def needs_critic(self) -> bool:
@@ -150,8 +148,7 @@ class UpdateSection:
     reference: str = "initial"
 
     def __post_init__(self) -> None:
-        if self.reference not in REFERENCES:
-            raise ValueError(f"update.reference must be one of {REFERENCES}, got {self.reference!r}")
+        one_of("update.reference", self.reference, REFERENCES)
         if self.micro_batch_size < 1 or self.mini_batch_size < 0 or self.epochs < 1:
             raise ValueError("update.micro_batch_size and update.epochs must be >= 1, mini_batch_size >= 0")
         if self.strategy not in ("ddp", "fsdp"):
@@ -179,12 +176,10 @@ class ModelSection:
     model_name: str = ""
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"model.backend must be one of {BACKENDS}, got {self.backend!r}")
+        one_of("model.backend", self.backend, BACKENDS)
         if self.random_init not in ("",) + RANDOM_SIZES:
             raise ValueError(f"model.random_init must be one of {RANDOM_SIZES} or empty, got {self.random_init!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        one_of("model.dtype", self.dtype, DTYPES)
         if self.trainable_layers < 0:
             raise ValueError(f"model.trainable_layers must be >= 0, got {self.trainable_layers}")
 
@@ -271,8 +266,7 @@ class ProcessSection:
     arpo: ARPOConfig = field(default_factory=ARPOConfig)
 
     def __post_init__(self) -> None:
-        if self.method not in PROCESS_METHODS:
-            raise ValueError(f"process.method must be one of {PROCESS_METHODS}, got {self.method!r}")
+        one_of("process.method", self.method, PROCESS_METHODS)
         if self.prm_epochs < 1 or self.prm_batch_size < 1 or self.prm_buffer < 1:
             raise ValueError("process.prm_epochs, prm_batch_size and prm_buffer must be >= 1")
         if self.mc_rollouts < 0 or self.mc_states < 0 or self.mc_horizon < 0 or self.mc_max_alive < 2:

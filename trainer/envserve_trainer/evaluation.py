@@ -46,6 +46,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence, TextIO
 
+from .checks import one_of
 from .trajectory import Episode, Trial
 
 SUCCESS_EPISODES = ("last", "first", "any")
@@ -61,8 +62,7 @@ class EvalConfig:
     max_pass_k: int = 0
 
     def __post_init__(self) -> None:
-        if self.success_episode not in SUCCESS_EPISODES:
-            raise ValueError(f"success_episode must be one of {SUCCESS_EPISODES}, got {self.success_episode!r}")
+        one_of("success_episode", self.success_episode, SUCCESS_EPISODES)
         if self.diversity_min_samples < 1:
             raise ValueError(f"diversity_min_samples must be >= 1, got {self.diversity_min_samples}")
         if self.max_pass_k < 0:
@@ -425,8 +425,7 @@ class Progress:
     def __init__(self, total: int | None = None, desc: str = "train", *, enabled: bool = True,
                  mode: str = "auto", stream: TextIO | None = None, interval_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if mode not in self.MODES:
-            raise ValueError(f"progress mode must be one of {self.MODES}, got {mode!r}")
+        one_of("progress mode", mode, self.MODES)
         if total is not None and total < 0:
             raise ValueError(f"total must be >= 0, got {total}")
         if interval_s < 0:

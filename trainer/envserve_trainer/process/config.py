@@ -8,41 +8,22 @@ builds from a YAML/JSON mapping with `from_mapping`, which refuses unknown keys 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, TypeVar
 
-from envserve.client.settings import typed_fields
-
-_C = TypeVar("_C")
-
-
-class _FromMapping:
-    @classmethod
-    def from_mapping(cls: type[_C], data: Mapping[str, Any] | None) -> _C:
-        return cls(**typed_fields(cls, data, cls.__name__))
-
-
-def _unit(owner: str, name: str, value: float) -> None:
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"{owner}.{name} must be in [0, 1], got {value}")
-
-
-def _positive(owner: str, name: str, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{owner}.{name} must be positive, got {value}")
+from ..checks import FromMapping, one_of, positive, unit
 
 
 @dataclass(frozen=True)
-class DPOConfig(_FromMapping):
+class DPOConfig(FromMapping):
     # DPO's temperature beta on the log-ratio margin; 0.1 is the value of Rafailov et al. 2023,
     # which IPR and RRO train with.
     beta: float = 0.1
 
     def __post_init__(self) -> None:
-        _positive("DPOConfig", "beta", self.beta)
+        positive("DPOConfig.beta", self.beta)
 
 
 @dataclass(frozen=True)
-class AgentPRMConfig(_FromMapping):
+class AgentPRMConfig(FromMapping):
     # Q-hat(s, a) is the mean discounted return from (s, a). Ours: 1.0, so that with a 0/1 outcome
     # Q-hat is the success probability from (s, a), the quantity AgentPRM's BCE target stands for.
     gamma: float = 1.0
@@ -52,26 +33,26 @@ class AgentPRMConfig(_FromMapping):
     return_high: float = 1.0
 
     def __post_init__(self) -> None:
-        _unit("AgentPRMConfig", "gamma", self.gamma)
+        unit("AgentPRMConfig.gamma", self.gamma)
         if self.return_high <= self.return_low:
             raise ValueError("AgentPRMConfig.return_high must exceed return_low")
 
 
 @dataclass(frozen=True)
-class InversePRMConfig(_FromMapping):
+class InversePRMConfig(FromMapping):
     # The discount in sigma(Q(s,a) - gamma Q(s',a')). Ours: 0.99, the usual discount of inverse RL's
     # shaped reward (with gamma 1 a constant Q would make every transition's logit 0).
     gamma: float = 0.99
 
     def __post_init__(self) -> None:
-        _unit("InversePRMConfig", "gamma", self.gamma)
+        unit("InversePRMConfig.gamma", self.gamma)
 
 
 CLUSTER_BY = ("key", "jaccard")
 
 
 @dataclass(frozen=True)
-class ProgRMConfig(_FromMapping):
+class ProgRMConfig(FromMapping):
     # How successful trajectories are grouped before their LCS is taken (ours): "key" groups by the
     # task key the caller gives (env id + task type, say); "jaccard" joins a trajectory to the first
     # cluster holding a member whose action set overlaps it by at least the threshold.
@@ -81,15 +62,14 @@ class ProgRMConfig(_FromMapping):
     min_cluster_size: int = 2
 
     def __post_init__(self) -> None:
-        if self.cluster_by not in CLUSTER_BY:
-            raise ValueError(f"ProgRMConfig.cluster_by must be one of {CLUSTER_BY}, got {self.cluster_by!r}")
-        _unit("ProgRMConfig", "jaccard_threshold", self.jaccard_threshold)
+        one_of("ProgRMConfig.cluster_by", self.cluster_by, CLUSTER_BY)
+        unit("ProgRMConfig.jaccard_threshold", self.jaccard_threshold)
         if self.min_cluster_size < 1:
             raise ValueError("ProgRMConfig.min_cluster_size must be >= 1")
 
 
 @dataclass(frozen=True)
-class IPRConfig(_FromMapping):
+class IPRConfig(FromMapping):
     # m rollouts after the expert's step and after the alternative, each (ours: 5, a small MC budget).
     rollouts_per_step: int = 5
     # Expert steps compared per trajectory, evenly spaced over it (ours; 0: every step). Long
@@ -113,14 +93,14 @@ class IPRConfig(_FromMapping):
             raise ValueError("IPRConfig.max_steps must be >= 0")
         if self.margin < 0:
             raise ValueError("IPRConfig.margin must be >= 0")
-        _positive("IPRConfig", "beta", self.beta)
+        positive("IPRConfig.beta", self.beta)
         for name in ("outcome_weight", "step_weight", "sft_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"IPRConfig.{name} must be >= 0")
 
 
 @dataclass(frozen=True)
-class RROConfig(_FromMapping):
+class RROConfig(FromMapping):
     # Process reward of a prefix = the mean outcome of m rollouts from it (ours: 5).
     rollouts_per_prefix: int = 5
     # Candidates sampled at one step at most before the search gives up on rising (ours: 8; the
@@ -131,7 +111,7 @@ class RROConfig(_FromMapping):
     def __post_init__(self) -> None:
         if self.rollouts_per_prefix < 1 or self.max_candidates < 1:
             raise ValueError("RROConfig.rollouts_per_prefix and max_candidates must be >= 1")
-        _positive("RROConfig", "beta", self.beta)
+        positive("RROConfig.beta", self.beta)
 
 
 ENTROPY_SCALES = ("log_vocab", "none")
@@ -139,7 +119,7 @@ ARPO_ADVANTAGE_MODES = ("soft", "hard")
 
 
 @dataclass(frozen=True)
-class ARPOConfig(_FromMapping):
+class ARPOConfig(FromMapping):
     # Branch when alpha + beta * dH > threshold (notes: 0.5 / 0.2 / 0.5). With alpha equal to the
     # threshold, any rise of entropy branches and any fall does not.
     alpha: float = 0.5
@@ -164,8 +144,5 @@ class ARPOConfig(_FromMapping):
             raise ValueError("ARPOConfig.entropy_tokens and branches must be >= 1")
         if not 0 < self.initial_rollouts <= self.total_rollouts:
             raise ValueError("ARPOConfig needs 0 < initial_rollouts <= total_rollouts")
-        if self.entropy_scale not in ENTROPY_SCALES:
-            raise ValueError(f"ARPOConfig.entropy_scale must be one of {ENTROPY_SCALES}, got {self.entropy_scale!r}")
-        if self.advantage_mode not in ARPO_ADVANTAGE_MODES:
-            raise ValueError(f"ARPOConfig.advantage_mode must be one of {ARPO_ADVANTAGE_MODES}, "
-                             f"got {self.advantage_mode!r}")
+        one_of("ARPOConfig.entropy_scale", self.entropy_scale, ENTROPY_SCALES)
+        one_of("ARPOConfig.advantage_mode", self.advantage_mode, ARPO_ADVANTAGE_MODES)

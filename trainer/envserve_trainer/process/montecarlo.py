@@ -31,6 +31,8 @@ import grpc
 from envserve.client import AsyncEnvClient, EnvServeError, item_error
 from envserve.client import messages as pb
 
+from ..checks import unit
+
 Policy = Callable[[Sequence[pb.StepResult]], Awaitable[Sequence[str]]]
 
 FORK, REPLAY = "fork", "replay"
@@ -54,8 +56,7 @@ class MCSettings:
         if self.max_alive < 2:
             # 2: a point without a live session needs its own session plus at least one fork.
             raise ValueError(f"max_alive must be >= 2, got {self.max_alive}")
-        if not 0.0 <= self.gamma <= 1.0:
-            raise ValueError(f"gamma must be in [0, 1], got {self.gamma}")
+        unit("gamma", self.gamma)
         if self.horizon < 0:
             raise ValueError(f"horizon must be >= 0, got {self.horizon}")
 
