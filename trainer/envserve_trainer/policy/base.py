@@ -12,6 +12,17 @@ FINISH_STOP = "stop"        # the model ended its turn (eos)
 FINISH_LENGTH = "length"    # max_new_tokens ran out first
 
 
+def check_ids_request(prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, top_p: float) -> None:
+    """The arguments of an in-process backend's generate_from_ids (hf, vllm), refused alike. (The
+    openai backend asks an endpoint, which needs max_new_tokens >= 1, and says so in its own words.)"""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("every prompt needs at least one token")
+
+
 @dataclass
 class Generation:
     """One sampled completion.

@@ -24,7 +24,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .base import FINISH_LENGTH, FINISH_STOP, Generation, Message, Weights
+from .base import FINISH_LENGTH, FINISH_STOP, Generation, Message, Weights, check_ids_request
 
 
 # -- token layout shared by generation and scoring --------------------------------------------------
@@ -265,12 +265,7 @@ class HFPolicy(ChatFromIds):
         (temperature 1), since those of the greedy policy itself would all be 0.
         """
         model = self._live_model()
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("every prompt needs at least one token")
+        check_ids_request(prompt_ids, max_new_tokens, top_p)
         batch = len(prompt_ids)
         if batch == 0:
             return []

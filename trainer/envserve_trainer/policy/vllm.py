@@ -35,7 +35,7 @@ from typing import Any, Mapping, Sequence
 
 from envserve.client.settings import typed_fields
 
-from .base import FINISH_LENGTH, FINISH_STOP, Generation, Weights
+from .base import FINISH_LENGTH, FINISH_STOP, Generation, Weights, check_ids_request
 from .hf import ChatFromIds, row_seed
 
 INSTALL_HINT = ("the vllm policy backend needs vLLM: `pip install 'envserve-trainer[vllm]'` (or `pip install vllm`) "
@@ -145,12 +145,7 @@ class VLLMPolicy(ChatFromIds):
         """Like generate, from token ids. temperature <= 0 decodes greedily; the log-probabilities are
         then the model's own (temperature 1), as in the hf backend. `row_seeds` seeds each row."""
         llm = self._live()
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("every prompt needs at least one token")
+        check_ids_request(prompt_ids, max_new_tokens, top_p)
         if row_seeds is not None and len(row_seeds) != len(prompt_ids):
             raise ValueError(f"{len(prompt_ids)} prompts but {len(row_seeds)} row seeds")
         base_seed = secrets.randbits(63) if seed is None else int(seed)
