@@ -50,24 +50,22 @@ class Connection:
     token: str | None = None
 
     def env_client(self):
-        if self.directory:
-            from envserve.client.aio_routing import AsyncRoutedClient
-            return AsyncRoutedClient(self.directory, token=self.token)
-        if not self.env_address:
-            raise ValueError("give an env address (--env-address) or a directory (--directory)")
-        from envserve.client.aio import AsyncEnvClient
-        return AsyncEnvClient(self.env_address, token=self.token)
+        from envserve.client import AsyncEnvClient, AsyncRoutedClient
+        return self._client(AsyncRoutedClient, AsyncEnvClient)
 
     def sync_client(self):
         """A blocking client (EnvClient or RoutedClient), for the few calls made outside the rollout
         loop (the random-init tokenizer's corpus)."""
+        from envserve.client import EnvClient, RoutedClient
+        return self._client(RoutedClient, EnvClient)
+
+    def _client(self, routed, direct):
+        """`routed` over the directory when one is given, else `direct` to the one env address."""
         if self.directory:
-            from envserve.client import RoutedClient
-            return RoutedClient(self.directory, token=self.token)
+            return routed(self.directory, token=self.token)
         if not self.env_address:
             raise ValueError("give an env address (--env-address) or a directory (--directory)")
-        from envserve.client import EnvClient
-        return EnvClient(self.env_address, token=self.token)
+        return direct(self.env_address, token=self.token)
 
     def judge_client(self):
         if not self.judge_address:
