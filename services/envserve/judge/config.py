@@ -2,19 +2,36 @@
 
 One frozen dataclass shared by the rule judge, the repetition penalty and the reward assembly, so
 that a service, a trainer and a test agree on the numbers. `JudgeConfig.from_mapping` takes a plain
-dict (a YAML section, a gRPC Struct) and refuses unknown keys and wrong types.
+dict (a YAML section, a gRPC Struct) and refuses unknown keys and wrong types; `Settings` gives the
+judge's settings dataclasses (this one and LLMJudgeConfig) that method and `to_dict`.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeVar
 
 from envserve.client.settings import typed_fields
 
+_S = TypeVar("_S", bound="Settings")
+
+
+class Settings:
+    """`from_mapping` and `to_dict` of a settings dataclass; `WHAT` names it in refusals."""
+    WHAT = "settings"
+
+    @classmethod
+    def from_mapping(cls: type[_S], values: Mapping[str, Any] | None) -> _S:
+        """Defaults plus `values`; raises ValueError on an unknown key or a value of the wrong type."""
+        return cls(**typed_fields(cls, values, cls.WHAT))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
 
 @dataclass(frozen=True)
-class JudgeConfig:
+class JudgeConfig(Settings):
+    WHAT = "judge config"
     # A response passes (verdict True) when its F1 against the ground truth is at least this.
     f1_threshold: float = 0.7
     # PrimitiveSkill: a claimed coordinate matches when every axis is within this many mm.
@@ -43,11 +60,3 @@ class JudgeConfig:
             raise ValueError("repetition_top_k >= 0, repetition_max_tracked >= 1 and repetition_min_count >= 1")
         if self.repetition_max_tracked < self.repetition_top_k:
             raise ValueError("repetition_max_tracked must be at least repetition_top_k")
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any] | None) -> "JudgeConfig":
-        """Defaults plus `values`; raises ValueError on an unknown key or a value of the wrong type."""
-        return cls(**typed_fields(cls, values, "judge config"))
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)

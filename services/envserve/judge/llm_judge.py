@@ -48,12 +48,11 @@ from typing import Any, Mapping
 
 import httpx
 
-from envserve.client.settings import typed_fields
 from envserve.client.http_retry import Counters, RetryPolicy, post_with_retries
 
 from .base import JudgeError, JudgeInput, Judgment
 
-from .config import JudgeConfig
+from .config import JudgeConfig, Settings
 from .prompts import (Prompt, claim_family, claims_from_atoms, prompt_family, structured_prompt,
                       yesno_prompt)
 from .rule_judge import FIELDS, WORLD_MODELING, RuleJudge, _truth_parts
@@ -66,7 +65,8 @@ _REPLY_CHARS = 2000
 
 
 @dataclass(frozen=True)
-class LLMJudgeConfig:
+class LLMJudgeConfig(Settings):
+    WHAT = "LLM judge config"
     base_url: str = "http://127.0.0.1:8000/v1"   # OpenAI-compatible root; /chat/completions is appended
     model: str = ""
     # Name of the environment variable holding the API key ('' = send no Authorization header). The
@@ -100,14 +100,6 @@ class LLMJudgeConfig:
             raise ValueError("max_concurrency >= 1, requests_per_second >= 0 and max_retries >= 0")
         if self.backoff_base_s < 0 or self.backoff_max_s < self.backoff_base_s or self.cache_size < 0:
             raise ValueError("0 <= backoff_base_s <= backoff_max_s and cache_size >= 0")
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any] | None) -> "LLMJudgeConfig":
-        """Defaults plus `values`; ValueError on an unknown key or a value of the wrong type."""
-        return cls(**typed_fields(cls, values, "LLM judge config"))
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 # -- replies ------------------------------------------------------------------------------------------
