@@ -85,12 +85,17 @@ def _cached(key: tuple, load: Callable[[], Any]) -> Any:
         return _MODELS[key]
 
 
+def _weights_folder(path: str, needs: str) -> None:
+    """Learned metrics load local weights only: `path` must be a folder. `needs` says which setting
+    wants it and what it holds."""
+    if not path or not os.path.isdir(path):
+        raise ValueError(f"{needs}; {path!r} is not a folder (weights cannot be downloaded here)")
+
+
 def load_dino(path: str, device: str) -> Callable[[np.ndarray, np.ndarray], float]:
     """A DINOv2 similarity from a local Hugging Face model folder (never downloads).
     Raises ValueError when transformers or the weights are missing."""
-    if not path or not os.path.isdir(path):
-        raise ValueError(f"dino_weight > 0 needs dino_model_path, a local DINOv2 model folder; "
-                         f"{path!r} is not a folder (weights cannot be downloaded here)")
+    _weights_folder(path, "dino_weight > 0 needs dino_model_path, a local DINOv2 model folder")
     try:
         import torch
         from transformers import AutoImageProcessor, AutoModel
@@ -120,9 +125,7 @@ def load_dino(path: str, device: str) -> Callable[[np.ndarray, np.ndarray], floa
 def load_dreamsim(path: str, device: str) -> Callable[[np.ndarray, np.ndarray], float]:
     """DreamSim similarity with weights from a local cache folder (never downloads).
     Raises ValueError when the dreamsim package or the weights are missing."""
-    if not path or not os.path.isdir(path):
-        raise ValueError(f"dreamsim_weight > 0 needs dreamsim_model_path, a folder holding DreamSim's "
-                         f"weights; {path!r} is not a folder (weights cannot be downloaded here)")
+    _weights_folder(path, "dreamsim_weight > 0 needs dreamsim_model_path, a folder holding DreamSim's weights")
     try:
         import torch
         from dreamsim import dreamsim
