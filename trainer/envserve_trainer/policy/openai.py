@@ -35,10 +35,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from envserve.client.settings import typed_fields
 # retry_after_s: re-exported, part of this module's tested surface before the loop moved to common.
 from envserve.client.http_retry import Counters, RetryPolicy, post_with_retries, retry_after_s  # noqa: F401
 
+from ..checks import FromMapping
 from .base import FINISH_LENGTH, FINISH_STOP, Generation, Message, Weights
 from .hf import row_seed
 
@@ -59,7 +59,7 @@ class EndpointError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class OpenAIPolicyConfig:
+class OpenAIPolicyConfig(FromMapping):
     # The API root, the part before /chat/completions (e.g. http://127.0.0.1:8000/v1).
     base_url: str = ""
     # The model name the endpoint serves.
@@ -96,10 +96,6 @@ class OpenAIPolicyConfig:
         clash = sorted(set(self.extra_body) & _OWN_FIELDS)
         if clash:
             raise ValueError(f"extra_body may not set {clash}: the policy sets them from each call")
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any] | None) -> "OpenAIPolicyConfig":
-        return cls(**typed_fields(cls, values, cls.__name__))
 
 
 _OWN_FIELDS = frozenset({"model", "messages", "prompt", "max_tokens", "temperature", "top_p", "seed", "logprobs",

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from envserve.client.settings import typed_fields
 
+from ..checks import FromMapping
 from .base import FINISH_LENGTH, FINISH_STOP, Generation, Weights, check_ids_request
 from .hf import ChatFromIds, row_seed
 
@@ -44,7 +44,7 @@ INSTALL_HINT = ("the vllm policy backend needs vLLM: `pip install 'envserve-trai
 
 
 @dataclass(frozen=True)
-class VLLMPolicyConfig:
+class VLLMPolicyConfig(FromMapping):
     # A save_pretrained directory (model and tokenizer), e.g. one written by pretrained.save_model.
     model: str = ""
     # "auto" keeps the checkpoint's dtype; "float32" makes CPU log-probabilities comparable to hf's.
@@ -75,10 +75,6 @@ class VLLMPolicyConfig:
         if clash:
             raise ValueError(f"engine_kwargs may not set {clash}: they are fields of this config or fixed by the "
                              f"policy")
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any] | None) -> "VLLMPolicyConfig":
-        return cls(**typed_fields(cls, values, cls.__name__))
 
 
 def import_vllm():
