@@ -11,6 +11,8 @@ def _server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
     p.add_argument("--port", type=int, default=default_port, help="gRPC port (0: any free port)")
     p.add_argument("--workers", type=int, default=0, help="worker processes (0: one per CPU)")
+    p.add_argument("--inline", action="store_true",
+                   help="step sessions in the front process, no workers (microsecond envs: the grid games)")
     p.add_argument("--max-sessions", type=int, default=10_000)
     p.add_argument("--lease-seconds", type=float, default=300.0)
     p.add_argument("--metrics-port", type=int, default=-1, help="Prometheus port (-1: off, 0: any free port)")
@@ -40,6 +42,7 @@ def _config(args, env_ids):
     from envserve.rpc.auth import read_tokens
     from envserve.server.config import ServerConfig
     return ServerConfig(env_ids=list(env_ids), host=args.host, port=args.port, workers=args.workers,
+                        inline=args.inline,
                         max_sessions=args.max_sessions, lease_seconds=args.lease_seconds,
                         metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                         drain_timeout_seconds=args.drain_timeout, replica_id=args.replica_id,

@@ -16,18 +16,32 @@ def conformance_envs() -> list[str]:
     return env_ids()
 
 
+# `serve --inline` steps sessions in the front process; it is meant for the microsecond grid
+# games, and the suite holds it to the same contract on those.
+INLINE_ENVS = ("sokoban", "frozenlake", "minesweeper")
+
+
 def pytest_generate_tests(metafunc):
     if "env_id" in metafunc.fixturenames:
-        metafunc.parametrize("env_id", conformance_envs())
+        envs = conformance_envs()
+        cases = [("workers", e) for e in envs]
+        if not os.environ.get("ENVSERVE_CONFORMANCE_ADDRESSES"):  # given servers are tested as they are
+            cases += [("inline", e) for e in envs if e in INLINE_ENVS]
+        metafunc.parametrize(("serving_mode", "env_id"), cases, scope="session",
+                             ids=[e if mode == "workers" else f"{e}-inline" for mode, e in cases])
 
 
 @pytest.fixture(scope="session")
-def conformance_addresses():
+def conformance_addresses(serving_mode):
     given = os.environ.get("ENVSERVE_CONFORMANCE_ADDRESSES")
     if given:
         yield given.split(",")[:2]
         return
-    servers = [ServerProcess(conformance_envs(), workers=1, metrics=False) for _ in range(2)]
+    if serving_mode == "inline":
+        envs = [e for e in conformance_envs() if e in INLINE_ENVS]
+        servers = [ServerProcess(envs, metrics=False, extra=["--inline"]) for _ in range(2)]
+    else:
+        servers = [ServerProcess(conformance_envs(), workers=1, metrics=False) for _ in range(2)]
     try:
         yield [s.address for s in servers]
     finally:

@@ -168,7 +168,8 @@ async def serve_forever(config: ServerConfig, ready=None) -> None:
         loop.add_signal_handler(sig, lambda: loop.create_task(server.drain_and_stop()))
     envs = ", ".join(config.env_ids)
     extra = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
-    print(f"envserve serving {envs} on {server.address} with {config.resolved_workers()} workers{extra}",
+    inline = " (sessions step in this process)" if config.inline else ""
+    print(f"envserve serving {envs} on {server.address} with {config.resolved_workers()} workers{extra}{inline}",
           flush=True)
     if ready is not None:
         ready(server)

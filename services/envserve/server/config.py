@@ -12,6 +12,10 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0 picks a free port
     workers: int = 0  # 0: one per CPU
+    # Step sessions in the front process, with no worker processes: for envs whose step takes
+    # microseconds (the grid games), where the worker hop costs more than the step. A step
+    # blocks the front while it runs, and an env that crashes the interpreter takes the replica.
+    inline: bool = False
     max_sessions: int = 10_000
     max_open_per_call: int = 4096
     lease_seconds: float = 300.0
@@ -46,6 +50,8 @@ class ServerConfig:
         return f"{host}:{port}"
 
     def resolved_workers(self) -> int:
+        if self.inline:
+            return 0
         return self.workers if self.workers > 0 else (os.cpu_count() or 1)
 
     def resolved_replica_id(self, port: int) -> str:

@@ -16,7 +16,7 @@ import pickle
 import struct
 from typing import Callable
 
-from .worker import worker_main
+from .worker import Worker, worker_main
 
 log = logging.getLogger("envserve.pool")
 
@@ -101,8 +101,41 @@ class WorkerHandle:
                 pass
 
 
+class InlineWorker:
+    """A Worker run inside the front's own process, for envs whose step costs microseconds:
+    no pipe, no pickling, no process switch per batch. The price is isolation: an env that
+    crashes the interpreter takes the replica with it (an exception still fails only its item)."""
+
+    def __init__(self, slot: int, preload: list[str]):
+        from envserve.core.registry import get_env_class
+        for env_id in preload:
+            get_env_class(env_id)
+        self.slot = slot
+        self.worker = Worker()
+        self.ops = {name[3:]: getattr(self.worker, name) for name in dir(self.worker) if name.startswith("op_")}
+        self.alive = True
+        self.sessions: set[str] = set()
+        self.pending: dict[int, tuple] = {}
+        self.pid = os.getpid()
+
+    def run(self, op: str, payload):
+        try:
+            result = self.ops[op](payload)
+        except Exception as e:
+            log.exception("inline %s failed", op)
+            return ("error", "INTERNAL", f"{type(e).__name__}: {e}")
+        if op == "export":
+            # A worker's export crosses a pipe, so forks never share objects with their
+            # parent; the same copy here.
+            result = pickle.loads(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+        return result
+
+
 class WorkerPool:
-    def __init__(self, size: int, preload: list[str], on_death: Callable[[WorkerHandle], None]):
+    """`size` worker processes, or with `inline` one InlineWorker in this process."""
+
+    def __init__(self, size: int, preload: list[str], on_death: Callable[[WorkerHandle], None],
+                 inline: bool = False):
         # forkserver: workers start from a clean process, not a fork of the gRPC front
         # (forking a process with gRPC threads or a GL context can hang).
         try:
@@ -118,9 +151,13 @@ class WorkerPool:
         self.workers: list[WorkerHandle] = []
         self.restarts = 0
         self.closing = False
+        self.inline = inline
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        if self.inline:
+            self.workers = [InlineWorker(0, self._preload)]
+            return
         handles = await asyncio.gather(*[self._loop.run_in_executor(None, self._spawn, i) for i in range(self.size)])
         for h in handles:
             self._attach(h)
@@ -193,6 +230,9 @@ class WorkerPool:
         if not h.alive:
             fut.set_exception(WorkerLost(f"worker {h.slot} is not running"))
             return fut
+        if self.inline:
+            fut.set_result(h.run(op, payload))
+            return fut
         request_id = next(self._ids)
         h.pending[request_id] = (fut, None)
         h.send((request_id, op, payload))
@@ -204,6 +244,9 @@ class WorkerPool:
         if not h.alive:
             on_item(WorkerLost(f"worker {h.slot} is not running"))
             return
+        if self.inline:
+            on_item([(i, data, seconds) for i, (data, seconds) in enumerate(h.run("batch", items))])
+            return
         request_id = next(self._ids)
         h.pending[request_id] = (on_item, [len(items)])
         h.send((request_id, "stream", items))
@@ -211,11 +254,16 @@ class WorkerPool:
     def check_processes(self) -> None:
         """Catch a death the pipe has not reported yet."""
         for h in list(self.workers):
-            if h.alive and not h.process.is_alive():
+            if not self.inline and h.alive and not h.process.is_alive():
                 self._handle_death(h)
 
     async def close(self) -> None:
         self.closing = True
+        if self.inline:
+            h = self.workers[0]
+            h.alive = False
+            h.run("close", list(h.worker.sessions))
+            return
         for h in self.workers:
             if h.alive:
                 self._loop.remove_reader(h.conn.fileno())

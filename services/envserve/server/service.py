@@ -48,7 +48,7 @@ class Replica:
         self.auth = Authenticator(config.tokens, config.state_tokens)
         self.sessions: dict[str, SessionRecord] = {}
         self.lost: dict[str, tuple[str, float]] = {}
-        self.pool = WorkerPool(config.resolved_workers(), self.env_ids, self._on_worker_death)
+        self.pool = WorkerPool(config.resolved_workers(), self.env_ids, self._on_worker_death, inline=config.inline)
         self.draining = False
         self.in_flight = 0
         self._idle = asyncio.Event()
