@@ -12,19 +12,25 @@ import math
 from struct import Struct as _Packer
 
 _DOUBLE = _Packer("<d")
+_ONE_BYTE = [bytes((n,)) for n in range(0x80)]
 
 
 def varint(n: int) -> bytes:
     if n < 0:
         n += 1 << 64  # negative int32/int64 take ten bytes, as in protobuf
     if n < 0x80:
-        return bytes((n,))
+        return _ONE_BYTE[n]
     out = bytearray()
     while n >= 0x80:
         out.append((n & 0x7F) | 0x80)
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+def _len_prefixed(data: bytes) -> bytes:
+    n = len(data)
+    return (_ONE_BYTE[n] if n < 0x80 else varint(n)) + data
 
 
 def _key(field: int, wire_type: int) -> bytes:
@@ -36,7 +42,7 @@ def _utf8(s: str) -> bytes:
 
 
 def field_bytes(field: int, data: bytes) -> bytes:
-    return _key(field, 2) + varint(len(data)) + data
+    return _key(field, 2) + _len_prefixed(data)
 
 
 def field_str(field: int, s: str) -> bytes:
@@ -67,9 +73,9 @@ def _value(v) -> bytes:
 
 
 def struct_bytes(d: dict) -> bytes:
-    """google.protobuf.Struct: map<string, Value> fields = 1."""
-    return b"".join(field_bytes(1, field_bytes(1, _utf8(str(k))) + field_bytes(2, _value(v)))
-                    for k, v in d.items())
+    """google.protobuf.Struct: map<string, Value> fields = 1 (entries: key 1, value 2)."""
+    lp = _len_prefixed
+    return b"".join(b"\x0a" + lp(b"\x0a" + lp(_utf8(str(k))) + b"\x12" + lp(_value(v))) for k, v in d.items())
 
 
 def _map_str_double(field: int, d: dict) -> bytes:
@@ -84,11 +90,6 @@ def _map_str_str(field: int, d: dict) -> bytes:
 def image_bytes(png: bytes, height: int, width: int, channels: int, name: str) -> bytes:
     return (field_bytes(1, png) + field_int(2, height) + field_int(3, width) + field_int(4, channels)
             + field_str(5, name))
-
-
-def _len_prefixed(data: bytes) -> bytes:
-    n = len(data)
-    return (bytes((n,)) if n < 0x80 else varint(n)) + data
 
 
 def step_result(session_id: str, r, images: list[bytes] = ()) -> bytes:
