@@ -1,4 +1,5 @@
-"""Sokoban step throughput: in-process sessions vs the gRPC server (Step batches, Interact stream).
+"""Sokoban step throughput: in-process sessions vs the gRPC server (Step batches, Interact stream),
+served by worker processes (the default) and by `serve --inline` (keys prefixed inline_).
 
 Every figure is a ratio against the in-process baseline measured in the same run, so the
 numbers travel between machines. Run: `.venv/bin/python bench/step_throughput.py [--json]`.
@@ -123,6 +124,51 @@ async def interact(address: str, n_sessions: int, seconds: float) -> float:
         return steps / elapsed
 
 
+def _canned_step_server(answer: bytes, port_queue) -> None:
+    """A bare grpc.aio server whose Step parses the request and answers `answer` as it is."""
+    import grpc
+
+    from envserve.v1 import envserve_pb2 as pb
+
+    async def step(request, context):
+        return answer
+
+    async def serve():
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("envserve.v1.EnvService", {
+            "Step": grpc.unary_unary_rpc_method_handler(step, request_deserializer=pb.StepRequest.FromString)})])
+        port_queue.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        await server.wait_for_termination()
+    asyncio.run(serve())
+
+
+def transport_floor(client: EnvClient, batch: int, calls: int = 1500) -> float:
+    """Median seconds of a `batch`-item Step through EnvClient to a server that does no work: it
+    answers real results captured from the replica. What any design pays before stepping an env."""
+    import multiprocessing as mp
+
+    from envserve.v1 import envserve_pb2 as pb
+    ids = client.open("sokoban", batch, CONFIG, "free_think")
+    client.reset(ids, seeds=list(range(batch)))
+    answer = pb.BatchResponse(results=client.step([(sid, action(1)) for sid in ids])).SerializeToString()
+    client.close_sessions(ids)
+    ctx = mp.get_context("spawn")  # a fresh process: no gRPC state forked from this one
+    ports = ctx.Queue()
+    proc = ctx.Process(target=_canned_step_server, args=(answer, ports), daemon=True)
+    proc.start()
+    try:
+        with EnvClient(f"127.0.0.1:{ports.get(timeout=60)}") as bare:
+            lat = []
+            for i in range(calls):
+                t = time.perf_counter()
+                bare.step([(sid, action(i)) for sid in ids])
+                lat.append(time.perf_counter() - t)
+    finally:
+        proc.kill()
+    return statistics.median(lat[calls // 10:])
+
+
 def tree_rss(pid: int) -> int:
     p = psutil.Process(pid)
     return sum(q.memory_info().rss for q in [p, *p.children(recursive=True)])
@@ -156,9 +202,41 @@ def idle_memory(client: EnvClient, pid: int, n: int = 1000) -> float:
     return (after - before) / n / 1024
 
 
+def cpu_seconds(server: ServerProcess) -> dict[str, float]:
+    def used(pids):
+        return sum(sum(psutil.Process(p).cpu_times()[:2]) for p in pids)
+    return {"client": used([os.getpid()]), "front": used([server.proc.pid]), "workers": used(server.worker_pids())}
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def over_grpc(server: ServerProcess, base_rate: float, base_lat: list[float], seconds: float) -> dict:
+    out = {}
+    with EnvClient(server.address) as client:
+        for b in (1, 16, 64, 256):
+            cpu_before = cpu_seconds(server)
+            t0 = time.perf_counter()
+            rate = grpc_batch(client, b, seconds)
+            steps = rate * (time.perf_counter() - t0)
+            out[f"step_b{b}_steps_per_s"] = round(rate, 1)
+            out[f"ratio_step_b{b}"] = round(rate / base_rate, 3)
+            if b == 64:  # CPU per step of each side: client, the front, its workers (all share the cores)
+                out.update({f"b64_cpu_us_per_step_{side}": round((after - cpu_before[side]) / steps * 1e6, 1)
+                            for side, after in cpu_seconds(server).items()})
+        rate = asyncio.run(interact(server.address, 64, seconds))
+        out["interact_b64_steps_per_s"] = round(rate, 1)
+        out["ratio_interact_b64"] = round(rate / base_rate, 3)
+        lat = grpc_latency(client, 2000)
+        floor = grpc_floor(client, 2000)
+    out["inproc_latency_p50_ms"] = round(statistics.median(base_lat) * 1e3, 4)
+    out["grpc_latency_p50_ms"] = round(statistics.median(lat) * 1e3, 4)
+    out["added_latency_p50_ms"] = round((statistics.median(lat) - statistics.median(base_lat)) * 1e3, 4)
+    out["added_latency_p99_ms"] = round((pct(lat, 0.99) - pct(base_lat, 0.99)) * 1e3, 4)
+    out["grpc_floor_p50_ms"] = round(statistics.median(floor) * 1e3, 4)
+    return out
 
 
 def main() -> None:
@@ -170,26 +248,24 @@ def main() -> None:
 
     base_rate, base_lat = in_process(64, args.seconds)
     out = {"inproc_steps_per_s": round(base_rate, 1)}
-    with ServerProcess(["sokoban"], workers=args.workers or (os.cpu_count() or 1), metrics=False) as server:
-        client = EnvClient(server.address)
-        for b in (1, 16, 64, 256):
-            rate = grpc_batch(client, b, args.seconds)
-            out[f"step_b{b}_steps_per_s"] = round(rate, 1)
-            out[f"ratio_step_b{b}"] = round(rate / base_rate, 3)
-        rate = asyncio.run(interact(server.address, 64, args.seconds))
-        out["interact_b64_steps_per_s"] = round(rate, 1)
-        out["ratio_interact_b64"] = round(rate / base_rate, 3)
-        lat = grpc_latency(client, 2000)
-        floor = grpc_floor(client, 2000)
-        out["inproc_latency_p50_ms"] = round(statistics.median(base_lat) * 1e3, 4)
-        out["grpc_latency_p50_ms"] = round(statistics.median(lat) * 1e3, 4)
-        out["added_latency_p50_ms"] = round((statistics.median(lat) - statistics.median(base_lat)) * 1e3, 4)
-        out["added_latency_p99_ms"] = round((pct(lat, 0.99) - pct(base_lat, 0.99)) * 1e3, 4)
-        out["grpc_floor_p50_ms"] = round(statistics.median(floor) * 1e3, 4)
-        client.close()
-    with ServerProcess(["sokoban"], workers=args.workers or (os.cpu_count() or 1), metrics=False) as server:
-        with EnvClient(server.address) as client:
-            out["kb_per_idle_session"] = round(idle_memory(client, server.proc.pid), 2)
+    workers = args.workers or (os.cpu_count() or 1)
+    step_s = 1 / base_rate
+    # The default replica (worker processes), then `serve --inline` (sessions step in the front).
+    for prefix, extra in (("", []), ("inline_", ["--inline"])):
+        with ServerProcess(["sokoban"], workers=workers, metrics=False, extra=extra) as server:
+            out.update({prefix + k: v for k, v in over_grpc(server, base_rate, base_lat, args.seconds).items()})
+            if not prefix:
+                with EnvClient(server.address) as client:
+                    floor = transport_floor(client, 64)
+                # The best b64 ratio a design could reach here: the transport, plus the 64 steps in
+                # one process (inline) or split over two perfectly parallel workers.
+                out["transport_b64_ms"] = round(floor * 1e3, 3)
+                out["ratio_step_b64_reachable_inline"] = round(64 / (floor + 64 * step_s) / base_rate, 3)
+                out["ratio_step_b64_reachable_2_workers"] = round(64 / (floor + 32 * step_s) / base_rate, 3)
+    for prefix, extra in (("", []), ("inline_", ["--inline"])):
+        with ServerProcess(["sokoban"], workers=workers, metrics=False, extra=extra) as server:
+            with EnvClient(server.address) as client:
+                out[prefix + "kb_per_idle_session"] = round(idle_memory(client, server.proc.pid), 2)
     if not args.json:
         width = max(map(len, out))
         for k, v in out.items():

@@ -545,7 +545,7 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.pathsep.join(filter(None, [pushbox_distribution(Path(tmp)), os.environ.get("PYTHONPATH", "")]))
         servers: list[OpenEnvServer] = []
-        with ServerProcess(["pushbox"], workers=args.workers, metrics=False,
+        with ServerProcess(["pushbox"], workers=args.workers, metrics=False, extra=["--inline"] if args.inline else [],
                            env_vars={"PYTHONPATH": path}) as es:
             try:
                 oe = OpenEnvServer(oe_python, max(sessions), Path(tmp) / "openenv.log")
@@ -583,7 +583,7 @@ def run(args) -> dict:
             finally:
                 for s in servers:
                     s.kill()
-    summary = {"seconds": args.seconds, "rounds": args.rounds, "warmup": args.warmup, "envserve_workers": args.workers,
+    summary = {"seconds": args.seconds, "rounds": args.rounds, "warmup": args.warmup, "envserve_workers": 0 if args.inline else args.workers,
                "openenv": venv_note, "openenv_max_concurrent_envs": max(sessions), "cpu_count": os.cpu_count(),
                "grpc_null_call_p50_ms": floor,
                "results": {side: {str(n): merge(runs) for n, runs in per_n.items() if runs}
@@ -639,6 +639,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=1.0, help="stepping before each measurement")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workers", type=int, default=2, help="envserve workers")
+    ap.add_argument("--inline", action="store_true", help="envserve steps sessions in its front (serve --inline)")
     ap.add_argument("--openenv-venv", default=str(DEFAULT_VENV))
     ap.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
     # The processes this bench starts of itself.
