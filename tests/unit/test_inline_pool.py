@@ -3,8 +3,9 @@ Driven through the real WorkerPool on an event loop, as the replica drives it.""
 import asyncio
 
 import grpc
+import pytest
 
-from envserve.core.registry import get_env_class, register
+from envserve.core.registry import get_env_class, register, unregister
 from envserve.server.pool import WorkerPool
 from envserve.v1 import envserve_pb2 as pb
 
@@ -32,8 +33,14 @@ async def _pool(envs):
     return pool, deaths
 
 
-def test_an_env_exception_fails_its_item_and_the_rest_of_the_batch_steps():
+@pytest.fixture
+def faulty_sokoban():
     register("faulty_sokoban", _faulty_sokoban())
+    yield "faulty_sokoban"
+    unregister("faulty_sokoban")  # later tests list the registered envs
+
+
+def test_an_env_exception_fails_its_item_and_the_rest_of_the_batch_steps(faulty_sokoban):
 
     async def main():
         pool, deaths = await _pool(["faulty_sokoban"])

@@ -31,6 +31,12 @@ def register(env_id: str, target: "str | Type[Environment]") -> None:
         _CLASSES[env_id] = target
 
 
+def unregister(env_id: str) -> None:
+    """Forget an env registered in this process (tests that register one of their own)."""
+    _PATHS.pop(env_id, None)
+    _CLASSES.pop(env_id, None)
+
+
 def _load_entry_points() -> None:
     global _entry_points_loaded
     if _entry_points_loaded:

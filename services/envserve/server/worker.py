@@ -49,12 +49,14 @@ class Worker:
         self.sessions.update(made)
         return ("ok", next(iter(made.values())).system_prompt() if made else "")
 
-    def _item(self, sid: str, fn) -> bytes:
+    def run_item(self, item) -> bytes:
+        """("step", sid, action) or ("reset", sid, seed, task_id, split, same_task) -> a serialized StepResult."""
+        sid = item[1]
         session = self.sessions.get(sid)
         if session is None:
             return convert.error_result(sid, "NOT_FOUND", f"unknown session {sid}").SerializeToString()
         try:
-            result = fn(session)
+            result = session.step(item[2]) if item[0] == "step" else session.reset(*item[2:])
             image = convert.image_of(result)
             if image is not None:
                 self.images[sid] = image
@@ -64,14 +66,6 @@ class Worker:
         except Exception as e:  # an env bug fails its item, not the batch
             traceback.print_exc()
             return convert.error_result(sid, "INTERNAL", f"{type(e).__name__}: {e}").SerializeToString()
-
-    def run_item(self, item) -> bytes:
-        kind = item[0]
-        if kind == "step":
-            _, sid, action = item
-            return self._item(sid, lambda s: s.step(action))
-        _, sid, seed, task_id, split, same_task = item
-        return self._item(sid, lambda s: s.reset(seed, task_id, split, same_task))
 
     def op_batch(self, items):
         out = []
