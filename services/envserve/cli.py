@@ -12,7 +12,9 @@ def _server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--port", type=int, default=default_port, help="gRPC port (0: any free port)")
     p.add_argument("--workers", type=int, default=0, help="worker processes (0: one per CPU)")
     p.add_argument("--inline", action="store_true",
-                   help="step sessions in the front process, no workers (microsecond envs: the grid games)")
+                   default=os.environ.get("ENVSERVE_INLINE", "").lower() in ("1", "true", "yes"),
+                   help="step sessions in the front process, no workers (microsecond envs: the grid games) "
+                        "[$ENVSERVE_INLINE=1]")
     p.add_argument("--max-sessions", type=int, default=10_000)
     p.add_argument("--lease-seconds", type=float, default=300.0)
     p.add_argument("--metrics-port", type=int, default=-1, help="Prometheus port (-1: off, 0: any free port)")
