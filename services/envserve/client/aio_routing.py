@@ -14,7 +14,7 @@ from envserve.v1 import envserve_pb2 as pb
 from . import _requests as rq
 from .aio import AsyncEnvClient, InteractStream
 from .errors import EnvServeError, UnavailableError, make_error
-from .routing import _RETRY_ELSEWHERE, Router
+from .routing import _RETRY_ELSEWHERE, Router, indices_by_replica
 
 
 class AsyncRoutedClient(Router):
@@ -75,11 +75,8 @@ class AsyncRoutedClient(Router):
     async def _fan_out(self, items: list, sid_of, call) -> list:
         """call(client, items) -> per-item replies; one replica failing fails only its items."""
         results: list = [None] * len(items)
-        groups: dict[str, list[int]] = {}
-        for i, item in enumerate(items):
-            groups.setdefault(replica_of(sid_of(item)), []).append(i)
         plans = []
-        for rid, indices in groups.items():
+        for rid, indices in indices_by_replica(items, sid_of).items():
             r = await self._resolve(sid_of(items[indices[0]]))
             if r is None:
                 for i in indices:

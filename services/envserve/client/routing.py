@@ -28,6 +28,14 @@ def _item_failure(sid: str, code: grpc.StatusCode, message: str) -> pb.StepResul
     return pb.StepResult(session_id=sid, status=pb.ItemStatus(code=code.value[0], message=message))
 
 
+def indices_by_replica(items: list, sid_of) -> dict[str, list[int]]:
+    """The positions of `items` grouped by the replica their session lives on (its id's prefix)."""
+    groups: dict[str, list[int]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(replica_of(sid_of(item)), []).append(i)
+    return groups
+
+
 class Router:
     """What the sync and async routed clients share: the cached replica list, where to open,
     and which replica a session lives on. directory: a Directory or its URL. use_external:
@@ -191,11 +199,8 @@ class RoutedClient(Router):
     # -- batches: split by replica, sent in parallel ----------------------------------------------
     def _fan_out(self, items: list, sid_of, method: str, build, field: str = "results") -> list:
         results: list = [None] * len(items)
-        groups: dict[str, list[int]] = {}
-        for i, item in enumerate(items):
-            groups.setdefault(replica_of(sid_of(item)), []).append(i)
         calls = []
-        for rid, indices in groups.items():
+        for rid, indices in indices_by_replica(items, sid_of).items():
             r = self._replica_for(sid_of(items[indices[0]]))
             if r is None:
                 for i in indices:
