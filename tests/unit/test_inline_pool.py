@@ -51,7 +51,7 @@ def test_an_env_exception_fails_its_item_and_the_rest_of_the_batch_steps(faulty_
         reply = await pool.call(h, "batch", [("step", "r/a", "<answer>Left</answer>"),
                                              ("step", "r/b", "<answer>Up</answer>"),
                                              ("step", "r/c", "<answer>Right</answer>")])
-        results = [pb.StepResult.FromString(data) for data, _ in reply]
+        results = list(pb.BatchResponse.FromString(b"".join(data for data, _ in reply)).results)
         assert [r.session_id for r in results] == ids
         assert results[0].status.code == 0 and results[0].turn == 1
         assert results[1].status.code == grpc.StatusCode.INTERNAL.value[0]

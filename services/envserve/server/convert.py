@@ -76,6 +76,12 @@ def frame_repeated(field_number: int, items: list[bytes]) -> bytes:
     return b"".join(wire.field_bytes(field_number, b) for b in items)
 
 
+def batch_element(step_result: bytes) -> bytes:
+    """A serialized StepResult framed as one element of BatchResponse.results (field 1):
+    a BatchResponse is these elements joined."""
+    return wire.field_bytes(1, step_result)
+
+
 def interact_result(tag: int, step_result: bytes) -> bytes:
     """A serialized InteractResult (tag = field 1, result = field 2)."""
     return b"\x08" + wire.varint(tag) + wire.field_bytes(2, step_result)

@@ -245,7 +245,7 @@ class WorkerPool:
             on_item(WorkerLost(f"worker {h.slot} is not running"))
             return
         if self.inline:
-            on_item([(i, data, seconds) for i, (data, seconds) in enumerate(h.run("batch", items))])
+            on_item(h.run("stream", items))
             return
         request_id = next(self._ids)
         h.pending[request_id] = (on_item, [len(items)])

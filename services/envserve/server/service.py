@@ -181,36 +181,38 @@ class Replica:
 
     # -- batches --------------------------------------------------------------------------
     def route(self, items: list[tuple], owner: str = "") -> tuple[list, dict]:
-        """Split items ((kind, sid, ...)) by worker. Returns per-index errors and worker groups."""
+        """Split items ((kind, sid, ...)) by worker. Returns per-index errors (BatchResponse
+        elements) and worker groups (worker, indices, items, env ids)."""
         results: list = [None] * len(items)
-        groups: dict[int, tuple[WorkerHandle, list[int], list[tuple]]] = {}
+        groups: dict[int, tuple[WorkerHandle, list[int], list[tuple], list[str]]] = {}
         for i, item in enumerate(items):
             sid = item[1]
             rec, code, message = self.lookup(sid, owner)
             if rec is None:
-                results[i] = convert.error_result(sid, code, message).SerializeToString()
+                results[i] = convert.batch_element(convert.error_result(sid, code, message).SerializeToString())
                 self.metrics.errors.labels(code).inc()
                 continue
-            g = groups.setdefault(rec.worker.slot, (rec.worker, [], []))
+            g = groups.setdefault(rec.worker.slot, (rec.worker, [], [], []))
             g[1].append(i)
             g[2].append(item)
+            g[3].append(rec.env_id)
         return results, groups
 
     async def run_batch(self, items: list[tuple], owner: str = "") -> bytes:
+        """The serialized BatchResponse: the workers' framed elements joined in request order."""
         results, groups = self.route(items, owner)
-        calls = [self.pool.call(w, "batch", group_items) for w, _, group_items in groups.values()]
+        calls = [self.pool.call(w, "batch", group_items) for w, _, group_items, _ in groups.values()]
         replies = await asyncio.gather(*calls, return_exceptions=True)
-        for (w, indices, group_items), reply in zip(groups.values(), replies):
+        observe = self.metrics.observe_step
+        for (w, indices, group_items, env_ids), reply in zip(groups.values(), replies):
             if isinstance(reply, BaseException):
                 for i, item in zip(indices, group_items):
-                    results[i] = self.lost_result(item[1], reply)
+                    results[i] = convert.batch_element(self.lost_result(item[1], reply))
                 continue
-            for i, item, (data, seconds) in zip(indices, group_items, reply):
+            for i, env_id, (data, seconds) in zip(indices, env_ids, reply):
                 results[i] = data
-                rec = self.sessions.get(item[1])
-                if rec is not None:
-                    self.metrics.observe_step(rec.env_id, seconds)
-        return convert.frame_repeated(1, results)
+                observe(env_id, seconds)
+        return b"".join(results)
 
     def lost_result(self, sid: str, exc: BaseException) -> bytes:
         self.metrics.errors.labels(LOST).inc()
