@@ -22,15 +22,18 @@ def _faulty_sokoban():
     return FaultySokoban
 
 
-def run(coro):
-    return asyncio.run(coro)
-
-
-async def _pool(envs):
-    deaths = []
-    pool = WorkerPool(0, envs, deaths.append, inline=True)
-    await pool.start()
-    return pool, deaths
+def drive(envs, body):
+    """Runs `await body(pool, handle, deaths)` on an inline pool serving `envs`, then closes it."""
+    async def main():
+        deaths = []
+        pool = WorkerPool(0, envs, deaths.append, inline=True)
+        await pool.start()
+        try:
+            (h,) = pool.alive_workers()
+            await body(pool, h, deaths)
+        finally:
+            await pool.close()
+    asyncio.run(main())
 
 
 @pytest.fixture
@@ -41,10 +44,7 @@ def faulty_sokoban():
 
 
 def test_an_env_exception_fails_its_item_and_the_rest_of_the_batch_steps(faulty_sokoban):
-
-    async def main():
-        pool, deaths = await _pool(["faulty_sokoban"])
-        (h,) = pool.alive_workers()
+    async def body(pool, h, deaths):
         ids = ["r/a", "r/b", "r/c"]
         assert (await pool.call(h, "open", ("faulty_sokoban", {}, "no_think", ids)))[0] == "ok"
         await pool.call(h, "batch", [("reset", sid, k, "", "", False) for k, sid in enumerate(ids)])
@@ -58,14 +58,11 @@ def test_an_env_exception_fails_its_item_and_the_rest_of_the_batch_steps(faulty_
         assert "env bug on Up" in results[1].status.message
         assert results[2].status.code == 0 and results[2].turn == 1
         assert deaths == [] and h.alive
-        await pool.close()
-    run(main())
+    drive([faulty_sokoban], body)
 
 
 def test_an_exported_session_shares_nothing_with_its_parent():
-    async def main():
-        pool, _ = await _pool(["sokoban"])
-        (h,) = pool.alive_workers()
+    async def body(pool, h, _):
         await pool.call(h, "open", ("sokoban", {}, "no_think", ["r/p"]))
         await pool.call(h, "batch", [("reset", "r/p", 3, "", "", False)])
         status, blob = await pool.call(h, "export", "r/p")
@@ -78,14 +75,11 @@ def test_an_exported_session_shares_nothing_with_its_parent():
         assert (await pool.call(h, "get_state", ("r/f", -1, None, None)))[1] == before
         parent = pb.GetStateResponse.FromString((await pool.call(h, "get_state", ("r/p", -1, None, None)))[1])
         assert parent.turn == 5
-        await pool.close()
-    run(main())
+    drive(["sokoban"], body)
 
 
 def test_stream_answers_every_item_at_once():
-    async def main():
-        pool, _ = await _pool(["sokoban"])
-        (h,) = pool.alive_workers()
+    async def body(pool, h, _):
         ids = [f"r/{k}" for k in range(4)]
         await pool.call(h, "open", ("sokoban", {}, "", ids))
         got = []
@@ -94,5 +88,4 @@ def test_stream_answers_every_item_at_once():
         assert [pb.StepResult.FromString(d).session_id for _, d, _ in sorted(got)] == ids
         assert await pool.call(h, "close", ids) == [True] * 4
         assert h.worker.sessions == {}
-        await pool.close()
-    run(main())
+    drive(["sokoban"], body)
