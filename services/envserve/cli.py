@@ -92,6 +92,10 @@ def cmd_up(args) -> int:
     """Every registered environment on one local replica, worker processes per CPU; or, with
     --containers, one container per environment from the family images, with Redis."""
     if args.containers:
+        if args.inline:
+            print("--inline runs one process's sessions in its front; with --containers, set "
+                  "ENVSERVE_INLINE=1 on the grid games' container instead", file=sys.stderr)
+            return 2
         from envserve.containers import up
         return up(args.envs or None, tag=args.image_tag, redis_image=args.redis_image,
                   first_port=args.port, workers=args.workers)

@@ -64,6 +64,14 @@ def test_serve_rejects_unknown_env():
     assert proc.returncode == 2 and "unknown environment" in proc.stderr
 
 
+def test_up_refuses_inline_with_containers():
+    # --inline would make every family's container step in its front, ALFWorld's included.
+    proc = subprocess.run([sys.executable, "-m", "envserve.cli", "up", "--containers", "--inline"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "ENVSERVE_INLINE=1" in proc.stderr
+
+
 def test_ls_against_a_server(grid_server):
     out = subprocess.run([sys.executable, "-m", "envserve.cli", "ls", "--address", grid_server.address],
                          capture_output=True, text=True, check=True).stdout
