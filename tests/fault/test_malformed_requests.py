@@ -57,9 +57,11 @@ def _mutate(rng: random.Random, data: bytes) -> bytes:
     return bytes(b)
 
 
-@pytest.fixture(scope="module")
-def stack():
-    with ServerProcess(["frozenlake", "sokoban"], workers=1, metrics=False) as server, \
+@pytest.fixture(scope="module", params=["workers", "inline"])
+def stack(request):
+    # --inline runs env code in the front itself: the same bytes must get the same answers.
+    extra = ["--inline"] if request.param == "inline" else []
+    with ServerProcess(["frozenlake", "sokoban"], workers=1, metrics=False, extra=extra) as server, \
             JudgeProcess(server.address) as judge:
         yield server, judge
 

@@ -389,6 +389,22 @@ class EnvService(pb_grpc.EnvServiceServicer):
                 wake.set()
 
         r.enter()
+        if r.pool.inline:
+            # Items step as they are read, so each request's results are written before the next
+            # is read: no reader task and no wake-up between reading and writing (~0.03 ms of a
+            # one-session step).
+            try:
+                async for req in request_iterator:
+                    for it in req.items:
+                        accept(it)
+                    flush()
+                    if ready:
+                        data = convert.frame_repeated(1, ready)
+                        ready.clear()
+                        yield data
+            finally:
+                r.leave()
+            return
         reader = loop.create_task(read_requests())
         try:
             while True:
