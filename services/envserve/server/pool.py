@@ -115,7 +115,6 @@ class InlineWorker:
         self.ops = {name[3:]: getattr(self.worker, name) for name in dir(self.worker) if name.startswith("op_")}
         self.alive = True
         self.sessions: set[str] = set()
-        self.pending: dict[int, tuple] = {}
         self.pid = os.getpid()
 
     def run(self, op: str, payload):
