@@ -67,16 +67,6 @@ class Worker:
             traceback.print_exc()
             return convert.error_result(sid, "INTERNAL", f"{type(e).__name__}: {e}").SerializeToString()
 
-    def op_batch(self, items):
-        """[(item's StepResult framed as an element of BatchResponse.results, seconds)]: framed
-        here, in parallel workers, so the front only joins them in request order."""
-        out = []
-        for item in items:
-            t0 = time.perf_counter()
-            data = convert.batch_element(self.run_item(item))
-            out.append((data, time.perf_counter() - t0))
-        return out
-
     def op_stream(self, items):
         """[(index, StepResult, seconds)] of every item at once (worker_main sends a process
         worker's as they finish instead)."""
@@ -86,6 +76,11 @@ class Worker:
             data = self.run_item(item)
             out.append((index, data, time.perf_counter() - t0))
         return out
+
+    def op_batch(self, items):
+        """[(item's StepResult framed as an element of BatchResponse.results, seconds)]: framed
+        here, in parallel workers, so the front only joins them in request order."""
+        return [(convert.batch_element(data), seconds) for _, data, seconds in self.op_stream(items)]
 
     def op_close(self, ids):
         found = []
