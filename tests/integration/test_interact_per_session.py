@@ -85,3 +85,47 @@ def test_a_broken_stream_fails_the_waiting_callers():
                         for _ in range(1000):
                             await asyncio.wait_for(s.step(sid, ACTIONS[1]), timeout=30)
         asyncio.run(main())
+
+
+def test_a_lone_caller_cancelled_mid_step_leaves_the_stream_usable(server):
+    # A lone caller writes and reads on the call itself, and gRPC cancels the call with a task
+    # cancelled there: the stream must open a new call for the next step, not fail it.
+    async def main():
+        async with AsyncEnvClient(server.address) as ac:
+            sid = (await ac.open("frozenlake", 1, {"max_turns": 1000}, "no_think"))[0]
+            async with ac.stream() as s:
+                await s.reset(sid, seed=3)
+                for _ in range(3):
+                    task = asyncio.get_running_loop().create_task(s.step(sid, ACTIONS[0]))
+                    await asyncio.sleep(0)  # the step is on the wire
+                    task.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await task
+                    r = await s.step(sid, ACTIONS[1])
+                    assert r.session_id == sid and r.status.code == 0 and r.turn >= 1
+                r = await s.reset(sid, seed=3)
+                assert r.status.code == 0 and r.turn == 0
+    asyncio.run(main())
+
+
+def test_cancelling_a_lone_caller_loses_nothing_of_a_caller_that_joined(server):
+    async def main():
+        async with AsyncEnvClient(server.address) as ac:
+            ids = await ac.open("frozenlake", 2, {"max_turns": 1000}, "no_think")
+            async with ac.stream() as s:
+                for sid in ids:
+                    await s.reset(sid, seed=5)
+                loop = asyncio.get_running_loop()
+                first = loop.create_task(s.step(ids[0], ACTIONS[0]))   # alone on the call
+                second = loop.create_task(s.step(ids[1], ACTIONS[0]))  # joins: waits for the first
+                await asyncio.sleep(0)
+                first.cancel()
+                r = await asyncio.wait_for(second, timeout=30)
+                assert r.session_id == ids[1] and r.status.code == 0 and r.turn == 1
+                with pytest.raises(asyncio.CancelledError):
+                    await first
+                # Both sessions go on, now sharing the stream.
+                results = await asyncio.gather(*[s.step(sid, ACTIONS[1]) for sid in ids])
+                assert [r.session_id for r in results] == ids
+                assert all(r.status.code == 0 for r in results)
+    asyncio.run(main())

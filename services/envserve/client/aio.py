@@ -96,57 +96,81 @@ class InteractStream:
 
     One caller per session (TRL, SkyRL, OpenEnv clients: each rollout waits for its own step):
     `await stream.step(session_id, action)` / `await stream.reset(session_id, seed)` return that
-    item's StepResult; a reader task hands each result to its caller. Use one way or the other on a
-    stream, not both.
+    item's StepResult. Use one way or the other on a stream, not both.
 
-    Either way, everything sent in one turn of the event loop (and whatever is sent while the
-    previous message is being written) travels as one InteractRequest, so 64 callers stepping
-    at once cost the wire and the server one message, not 64."""
+    Callers that overlap share the stream: everything sent in one turn of the event loop (and
+    whatever is sent while the previous message is being written) travels as one InteractRequest,
+    so 64 callers stepping at once cost the wire and the server one message, not 64; a writer task
+    sends and a reader task hands each result to its caller. Until a second caller first overlaps
+    one in progress, a lone caller writes its item and reads its result itself, with no hand-off
+    to either task (a one-session step is then a bare write and read on the call). gRPC cancels
+    the call when a task awaiting one of its reads or writes is cancelled; a lone caller
+    cancelled there loses only its own item, and the next send opens a new call."""
 
     def __init__(self, stub: pb_grpc.EnvServiceStub, metadata: tuple = ()):
         self._stub = stub
         self._metadata = metadata
+        self._call = None
+        self._reopen = False       # a lone caller was cancelled mid-call: gRPC cancelled the call
         self._pending: list[pb.InteractItem] = []
-        self._wake = asyncio.Event()
+        self._writer: asyncio.Task | None = None
+        self._reader: asyncio.Task | None = None
+        self._alone: asyncio.Future | None = None  # set while a lone caller holds the call
+        self._waiters: dict[int, asyncio.Future] = {}
         self._closing = False
         self._tags = itertools.count(1)
-        self._call = None
-        self._waiters: dict[int, asyncio.Future] = {}
-        self._reader: asyncio.Task | None = None
         self.in_flight = 0
         self.messages_sent = 0
 
-    async def _requests(self):
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            if self._pending:
-                items, self._pending = self._pending, []
-                self.messages_sent += 1
-                yield pb.InteractRequest(items=items)
-            if self._closing:
-                return
-
     async def __aenter__(self) -> "InteractStream":
-        self._call = self._stub.Interact(self._requests(), metadata=self._metadata)
+        self._call = self._stub.Interact(metadata=self._metadata)
         return self
 
     async def __aexit__(self, *exc) -> None:
         self._closing = True
-        self._wake.set()
-        if exc[0] is not None or self.in_flight:
+        if exc[0] is None and not self.in_flight and not self._reopen:
+            try:
+                await self._call.done_writing()  # half-close: the server ends the call
+            except (grpc.RpcError, asyncio.InvalidStateError):
+                pass  # the call already ended; nothing is waiting on it
+        else:
             self._call.cancel()
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in (self._writer, self._reader):
+            if task is not None:
+                task.cancel()
+
+    def _live_call(self):
+        if self._reopen:
+            self._reopen = False
+            self._call = self._stub.Interact(metadata=self._metadata)
+        return self._call
 
     def _send(self, items: list[pb.InteractItem]) -> list[int]:
         if items:
             if self._closing:
                 raise EOFError("Interact stream is closed")
+            if not self._reopen and self._call.done():
+                raise EOFError("Interact stream ended")
             self._pending.extend(items)
-            self._wake.set()
             self.in_flight += len(items)
+            if self._writer is None:
+                self._writer = asyncio.get_running_loop().create_task(self._write_pending())
         return [it.tag for it in items]
+
+    async def _write_pending(self) -> None:
+        # Started by the first send of a loop turn, it writes on the next: that turn's sends go together.
+        try:
+            while self._pending:
+                if self._alone is not None:
+                    await asyncio.shield(self._alone)  # the lone caller's read and write come first
+                    continue
+                items, self._pending = self._pending, []
+                self.messages_sent += 1
+                await self._live_call().write(pb.InteractRequest(items=items))
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            pass  # the call broke: its reader (recv, or the reader task) reports why
+        finally:
+            self._writer = None
 
     def send_steps(self, actions: "Mapping[str, str] | Iterable[tuple[str, str]]") -> list[int]:
         pairs = actions.items() if isinstance(actions, Mapping) else actions
@@ -158,14 +182,16 @@ class InteractStream:
 
     def send_reset(self, session_id: str, seed: int | None = None, task_id: str = "", split: str = "",
                    same_task: bool = False) -> int:
-        item = rq.reset_item(session_id, seed, task_id, split, same_task)
-        return self._send([pb.InteractItem(tag=next(self._tags), reset=item)])[0]
+        return self._send([self._reset_item(session_id, seed, task_id, split, same_task)])[0]
+
+    def _reset_item(self, session_id, seed, task_id, split, same_task) -> pb.InteractItem:
+        return pb.InteractItem(tag=next(self._tags), reset=rq.reset_item(session_id, seed, task_id, split, same_task))
 
     async def recv(self) -> list[tuple[int, pb.StepResult]]:
-        if self._reader is not None:
+        if self._reader is not None or self._alone is not None:
             raise RuntimeError("this stream is read by step()/reset(): recv() would take their results")
         try:
-            resp = await self._call.read()
+            resp = await self._live_call().read()
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         if resp is grpc.aio.EOF:
@@ -175,24 +201,58 @@ class InteractStream:
 
     # -- one caller per session ---------------------------------------------------------------------
     async def step(self, session_id: str, action: str) -> pb.StepResult:
-        return await self._wait(self.send_step(session_id, action))
+        return await self._exchange(pb.InteractItem(tag=next(self._tags),
+                                                    step=pb.StepItem(session_id=session_id, action=action)))
 
     async def reset(self, session_id: str, seed: int | None = None, task_id: str = "", split: str = "",
                     same_task: bool = False) -> pb.StepResult:
-        return await self._wait(self.send_reset(session_id, seed, task_id, split, same_task))
+        return await self._exchange(self._reset_item(session_id, seed, task_id, split, same_task))
 
-    async def _wait(self, tag: int) -> pb.StepResult:
+    async def _exchange(self, item: pb.InteractItem) -> pb.StepResult:
+        if (self._reader is None and self._alone is None and self._writer is None and not self.in_flight
+                and not self._closing):
+            return await self._exchange_alone(item)
+        tag = self._send([item])[0]
         fut = asyncio.get_running_loop().create_future()
         self._waiters[tag] = fut
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read_all())
         return await fut
 
+    async def _exchange_alone(self, item: pb.InteractItem) -> pb.StepResult:
+        """Write the item and read its result in the caller's own task. Nothing else is written
+        meanwhile (the writer waits for self._alone), so the first result read is this item's."""
+        alone = self._alone = asyncio.get_running_loop().create_future()
+        call = self._live_call()
+        if call.done():
+            self._alone = None
+            alone.set_result(None)
+            raise EOFError("Interact stream ended")
+        self.in_flight += 1
+        try:
+            self.messages_sent += 1
+            await call.write(pb.InteractRequest(items=[item]))
+            resp = await call.read()
+            if resp is grpc.aio.EOF:
+                raise EOFError("Interact stream ended")
+            return resp.results[0].result
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        except asyncio.CancelledError:
+            self._reopen = True  # gRPC cancelled the call with this task; only this item was on it
+            raise
+        finally:
+            self.in_flight -= 1
+            self._alone = None
+            alone.set_result(None)
+
     async def _read_all(self) -> None:
         error: BaseException = EOFError("Interact stream ended")
         try:
+            if self._alone is not None:
+                await asyncio.shield(self._alone)  # a lone caller is reading its own result
             while True:
-                resp = await self._call.read()
+                resp = await self._live_call().read()
                 if resp is grpc.aio.EOF:
                     break
                 self.in_flight -= len(resp.results)
