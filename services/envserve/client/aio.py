@@ -142,6 +142,7 @@ class InteractStream:
     def _live_call(self):
         if self._reopen:
             self._reopen = False
+            self._call.cancel()  # already cancelled, unless the caller was cancelled before its write began
             self._call = self._stub.Interact(metadata=self._metadata)
         return self._call
 
