@@ -244,14 +244,22 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--workers", type=int, default=0, help="server workers (0: one per CPU)")
+    ap.add_argument("--modes", default="workers,inline",
+                    help="replicas to measure, comma-separated: workers (the default replica), inline")
     args = ap.parse_args()
+    modes = {"workers": ("", []), "inline": ("inline_", ["--inline"])}
+    unknown = set(args.modes.split(",")) - set(modes)
+    if unknown:
+        ap.error(f"unknown --modes {sorted(unknown)}; choose from {sorted(modes)}")
+    chosen = [modes[m] for m in modes if m in args.modes.split(",")]
 
     base_rate, base_lat = in_process(64, args.seconds)
-    out = {"inproc_steps_per_s": round(base_rate, 1)}
+    out = {"inproc_steps_per_s": round(base_rate, 1), "cpus": os.cpu_count()}
     workers = args.workers or (os.cpu_count() or 1)
+    out["workers"] = workers
     step_s = 1 / base_rate
     # The default replica (worker processes), then `serve --inline` (sessions step in the front).
-    for prefix, extra in (("", []), ("inline_", ["--inline"])):
+    for prefix, extra in chosen:
         with ServerProcess(["sokoban"], workers=workers, metrics=False, extra=extra) as server:
             out.update({prefix + k: v for k, v in over_grpc(server, base_rate, base_lat, args.seconds).items()})
             if not prefix:
@@ -262,7 +270,7 @@ def main() -> None:
                 out["transport_b64_ms"] = round(floor * 1e3, 3)
                 out["ratio_step_b64_reachable_inline"] = round(64 / (floor + 64 * step_s) / base_rate, 3)
                 out["ratio_step_b64_reachable_2_workers"] = round(64 / (floor + 32 * step_s) / base_rate, 3)
-    for prefix, extra in (("", []), ("inline_", ["--inline"])):
+    for prefix, extra in chosen:
         with ServerProcess(["sokoban"], workers=workers, metrics=False, extra=extra) as server:
             with EnvClient(server.address) as client:
                 out[prefix + "kb_per_idle_session"] = round(idle_memory(client, server.proc.pid), 2)

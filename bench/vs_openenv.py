@@ -23,7 +23,11 @@
   its own client process; sides alternate within a round and are repeated over rounds.
   Reported per side and session count: steps/s, p50/p99 of one step as its caller waits for it,
   CPU seconds per 1,000 steps of each process (server or envserve's front and workers, and the
-  client), sessions opened and errors by kind. Plus the floor: a null gRPC call's p50.
+  client), sessions opened and errors by kind. Plus the floors: a null gRPC call's p50, and for one
+  session a round trip that steps nothing on each side (`openenv_null`: OpenEnv's state message;
+  `envserve_null`: a unary ListEnvs; `envserve_streamnull`: an Interact item that steps nothing) and
+  `envserve_bare`, the game stepped by a bare call.write/call.read client: the least a Python gRPC
+  client can do per step.
 
     .venv/bin/python bench/vs_openenv.py [--json] [--seconds 5] [--sessions 1,16,64,1024]
 
@@ -358,6 +362,29 @@ async def drive_envserve(path: str, address: str, n: int, seconds: float, warmup
             await closed_loop(rec, n, list_envs, None, seconds, warmup)
         elif path == "batch":
             await batch_loop(rec, ac, ids, seconds, warmup)
+        elif path in ("bare", "streamnull"):
+            # The floors of the stream path, one session only: a bare call.write/call.read on one
+            # Interact call, with none of InteractStream's tags, futures and reader task (so not
+            # safe to cancel mid-call: a measuring stick, not a client). "streamnull" sends an item
+            # with neither step nor reset, which the server answers with an item error, stepping nothing.
+            call = ac.env.Interact(metadata=ac.metadata)
+            tags = iter(range(1, 1 << 62))
+
+            async def exchange(item: pb.InteractItem) -> pb.StepResult:
+                await call.write(pb.InteractRequest(items=[item]))
+                return (await call.read()).results[0].result
+
+            async def step(k: int, move: str) -> bool | None:
+                if path == "streamnull":
+                    await exchange(pb.InteractItem(tag=next(tags)))
+                    return None
+                return check(await exchange(pb.InteractItem(tag=next(tags), step=pb.StepItem(
+                    session_id=ids[k], action=answer(move))))).done
+
+            async def reset(k: int) -> None:
+                check(await exchange(pb.InteractItem(tag=next(tags), reset=pb.ResetItem(session_id=ids[k], seed=0))))
+            await closed_loop(rec, 1, step, reset, seconds, warmup)
+            call.cancel()
         elif path == "stream":
             async with ac.stream() as s:
                 async def step(k: int, move: str) -> bool:
@@ -532,6 +559,9 @@ def null_call_p50_ms(address: str, n: int = 2000) -> float:
 SIDES = ("openenv", "envserve_stream", "envserve_unary", "envserve_batch")
 # One round trip that steps nothing: OpenEnv's `state` message on its WebSocket, envserve's ListEnvs.
 NULLS = ("openenv_null", "envserve_null")
+# One session only, the floors of envserve's stream path: a bare write/read client stepping the game,
+# and the same client sending items that step nothing.
+STREAM_FLOORS = ("envserve_bare", "envserve_streamnull")
 
 
 def run(args) -> dict:
@@ -541,7 +571,7 @@ def run(args) -> dict:
     sessions = [int(s) for s in args.sessions.split(",")]
     oe_python, venv_note = openenv_python(Path(args.openenv_venv))
     print(f"OpenEnv: {venv_note}", file=sys.stderr, flush=True)
-    results: dict[str, dict[int, list[dict]]] = {s: {n: [] for n in sessions} for s in (*SIDES, "openenv_default", *NULLS)}
+    results: dict[str, dict[int, list[dict]]] = {s: {n: [] for n in sessions} for s in (*SIDES, "openenv_default", *NULLS, *STREAM_FLOORS)}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.pathsep.join(filter(None, [pushbox_distribution(Path(tmp)), os.environ.get("PYTHONPATH", "")]))
         servers: list[OpenEnvServer] = []
@@ -570,7 +600,7 @@ def run(args) -> dict:
                         if rnd == 0 and n > 1:
                             order.append("openenv_default")  # its refusals do not change between rounds
                         if n == 1:
-                            order += ["openenv_null", "envserve_null"]  # the floors: one round trip, no step
+                            order += [*NULLS, *STREAM_FLOORS]  # the floors: one round trip, no step
                         for side in order:
                             c, procs = cmd(side, n, args.seconds)
                             r = measure(c, procs, timeout=args.seconds + args.warmup + 300)
@@ -602,7 +632,7 @@ def targets(res: dict, sessions: list[int]) -> dict:
         for side in SIDES[1:]:
             out[f"ratio_{side}_64"] = (get(side, 64, "steps_per_s") or 0.0) / get("openenv", 64, "steps_per_s")
     if 1 in sessions and get("openenv", 1, "p50_ms"):
-        for side in (*SIDES[1:], "envserve_null"):
+        for side in (*SIDES[1:], "envserve_null", *STREAM_FLOORS):
             out[f"p50_{side}_1_below_openenv"] = (get(side, 1, "p50_ms") or 1e9) < get("openenv", 1, "p50_ms")
     big = max(sessions)
     out[f"sessions_{big}"] = {side: {"opened": get(side, big, "opened"),
@@ -645,7 +675,7 @@ def main() -> int:
     # The processes this bench starts of itself.
     ap.add_argument("--serve-openenv", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--max-envs", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--drive", choices=("openenv", "openenv_null", "stream", "unary", "batch", "null"), help=argparse.SUPPRESS)
+    ap.add_argument("--drive", choices=("openenv", "openenv_null", "stream", "unary", "batch", "null", "bare", "streamnull"), help=argparse.SUPPRESS)
     ap.add_argument("--target", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
