@@ -2,8 +2,9 @@
 # The trainer on each device, side by side: FrozenLake GRPO (trainer/envserve_trainer/configs/
 # frozenlake_grpo.yaml with checkpoints and evaluation moved past the run) for ITERS iterations,
 # with the tiny and the small random-weight policies, on cuda and on the CPU, against one
-# `envserve serve frozenlake` started here. Prints, per run, the median seconds per iteration
-# (rollout, update) and the last success rate. Needs envserve and envserve-trainer installed.
+# `envserve serve frozenlake` started here. Prints one JSON line per run: the median seconds per
+# iteration (rollout, update; the first two iterations left out) and each iteration's success rate
+# and loss, to compare devices. Needs envserve and envserve-trainer installed.
 #
 #     ITERS=12 PYTHON=.venv/bin/python bash bench/trainer_devices.sh [cuda cpu]
 set -u
