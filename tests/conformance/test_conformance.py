@@ -113,6 +113,37 @@ def test_fork_equivalence(clients, env_id):
     c.close_sessions([sid, *forks])
 
 
+def test_replay_rebuilds_the_session_in_another_process(clients, env_id):
+    """What lets a client carry a session over from a dead replica: its history (seed, actions),
+    replayed by Restore in another process, ends in the same anchors and steps on the same."""
+    from envserve.client import messages as pb
+    a, b = clients
+    spec = a.get_spec(env_id)
+    sid = open_one(a, env_id)
+    first = r = a.reset_one(sid, seed=13)
+    turns = []
+    for k in range(3):
+        if r.done or r.truncated:
+            break
+        text = answer(policy_actions(r, spec, k))
+        r = a.step_one(sid, text)
+        turns.append(pb.ReplayTurn(action=text, anchor=r.anchor))
+    config = pb.OpenRequest()
+    config.config.update(CONFIG)
+    history = pb.SessionHistory(env_id=env_id, config=config.config, action_format="no_think", seed=13,
+                                trial=first.trial, episode=first.episode, reset_anchor=first.anchor, turns=turns)
+    restored = b.restore([history]).sessions[0]
+    if not spec.replay_exact:
+        assert restored.status.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+        return
+    assert restored.status.code == 0, restored.status.message
+    assert restored.anchor == r.anchor
+    assert b.get_state(restored.session_id, 0).anchor == first.anchor
+    assert _play(b, spec, restored.session_id, 3, r) == _play(a, spec, sid, 3, r)
+    a.close_sessions([sid])
+    b.close_sessions([restored.session_id])
+
+
 def test_ground_truth_matches_observation(clients, env_id):
     c = clients[0]
     spec = c.get_spec(env_id)

@@ -113,6 +113,10 @@ class EnvClient(ChannelOwner):
     def close_sessions(self, session_ids: Sequence[str]) -> list[pb.ItemStatus]:
         return list(self._call(self.env.Close, pb.CloseRequest(session_ids=list(session_ids))).statuses)
 
+    def restore(self, histories: Sequence[pb.SessionHistory]) -> pb.RestoreResponse:
+        """Rebuild sessions here from their histories (one RestoredSession per history, in order)."""
+        return self._call(self.env.Restore, pb.RestoreRequest(sessions=list(histories)))
+
     def get_state(self, session_id: str, turn: int = -1, episode: int | None = None,
                   trial: int | None = None) -> pb.GetStateResponse:
         return self._call(self.state.GetState, rq.get_state_request(session_id, turn, episode, trial),

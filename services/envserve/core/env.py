@@ -46,6 +46,10 @@ class EnvSpec:
     default_action_format: str = "free_think"
     action_formats: tuple[str, ...] = ()
     supports_snapshot: bool = True
+    # Replaying the reset arguments and actions rebuilds the same state (the same anchors) in any
+    # process: what lets a client carry a session over to another replica. False where the
+    # simulation is not reproducible (GPU physics); such a session is lost with its replica.
+    replay_exact: bool = True
 
     def config_schema(self) -> dict:
         """JSON schema of the session config, with defaults."""

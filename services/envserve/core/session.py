@@ -139,6 +139,7 @@ class Session:
         self.success = False
         self.truncated = False
         self.updated_unix = time.time()
+        self._replaying = False
 
     def system_prompt(self) -> str:
         """The env's system prompt plus how to answer in this session's action format."""
@@ -157,6 +158,9 @@ class Session:
             # A new task starts a new trial. The last trial's turns stay in the history (bounded),
             # so a judge that reads them after this reset still finds them by trial.
             self.trial += 1
+        return self._begin_episode({"seed": self.seed, **({"split": split} if split else {})})
+
+    def _begin_episode(self, info: dict) -> TurnResult:
         self.env.reset(self.seed, dict(self.task_options))
         self.turn = 0
         self.done = False
@@ -164,7 +168,7 @@ class Session:
         self.last_action, self.last_reward, self.episode_return = "", 0.0, 0.0
         self.success = self.truncated = False
         result = TurnResult(text="")
-        result.info = {"seed": self.seed, **({"split": split} if split else {})}
+        result.info = info
         self.anchor = ""
         return self._finish(result, executed=[])
 
@@ -255,9 +259,11 @@ class Session:
         result.turn = self.turn
         result.episode = self.episode
         result.trial = self.trial
-        if self.config["include_valid_actions"]:
+        if self._replaying:
+            pass  # nobody sees a replayed turn's result: skip the listing and the picture
+        elif self.config["include_valid_actions"]:
             result.info["valid_actions"] = list(self.env.valid_actions() or [])
-        if self.config["render_image"]:
+        if self.config["render_image"] and not self._replaying:
             result.image = self.env.render_image(int(self.config["image_size"]))
         self.history.append({
             "trial": self.trial, "episode": self.episode, "turn": self.turn, "state": truth.state,
@@ -332,27 +338,60 @@ class Session:
         if "env_snapshot" in blob:
             s.env.restore(blob["env_snapshot"])
         else:
-            # Deterministic replay of (seed, actions) for envs that cannot snapshot.
-            s.env.reset(s.seed, dict(s.task_options))
-            for text in blob["replay_log"]:
-                s._replay_turn(text)
+            # Envs that cannot snapshot are copied by replay, the same way a client rebuilds a
+            # session on another replica (Session.restore); the copy must end where its parent is.
+            s.trial, s.episode = blob.get("trial", 0), blob["episode"]
+            s.replay(blob["replay_log"], final_anchor=blob["anchor"])
         s.episode, s.turn, s.done, s.anchor = blob["episode"], blob["turn"], blob["done"], blob["anchor"]
         s.trial = blob.get("trial", 0)
         s.replay_log = list(blob["replay_log"])
+        s.history.clear()
         s.history.extend(blob["history"])
         if "progress" in blob:
             s.last_action, s.last_reward, s.episode_return, s.success, s.truncated = blob["progress"]
         return s
 
-    def _replay_turn(self, text: str) -> None:
-        parsed = self.format.parse(text, self.config["action_separator"]) \
-            if len(text) <= self.config["max_action_chars"] else None
-        if parsed is None or not parsed.valid:
-            return
-        for action in parsed.actions[: self.config["max_actions_per_turn"]]:
-            outcome = self.env.step(action)
-            if not outcome.valid or outcome.done:
-                break
+    @classmethod
+    def restore(cls, env_id: str, config: Mapping[str, Any] | None, action_format: str, seed: int | None,
+                trial: int, episode: int, actions: "list[str]", anchors: "list[str] | None" = None,
+                reset_anchor: str = "") -> "Session":
+        """A session rebuilt from its history: the reset that began its episode (seed, trial,
+        episode), then its actions. Each non-empty anchor is checked against the replayed one;
+        a mismatch is a FAILED_PRECONDITION naming the turn."""
+        s = cls(env_id, config, action_format)
+        if seed is None:
+            return s
+        if not s.spec.replay_exact:
+            raise SessionError("FAILED_PRECONDITION", f"{env_id}'s replay is not exact: a session cannot be rebuilt")
+        s.seed, s.task_options = int(seed), {}
+        s.trial, s.episode = int(trial), int(episode)
+        s.replay(actions, anchors, reset_anchor)
+        return s
+
+    def replay(self, actions: "list[str]", anchors: "list[str] | None" = None, reset_anchor: str = "",
+               final_anchor: str = "") -> None:
+        """Begins the episode of self.seed again and steps `actions` through the ordinary step
+        path (the ground-truth history is rebuilt with it), checking anchors where given."""
+        self._replaying = True
+        try:
+            first = self._begin_episode({"seed": self.seed})
+            _check_anchor(first.anchor, reset_anchor, 0, self.env_id)
+            for i, text in enumerate(actions):
+                if self.done:
+                    raise SessionError("FAILED_PRECONDITION",
+                                       f"replay of {self.env_id} diverged at turn {i + 1}: the episode already ended")
+                r = self.step(text)
+                _check_anchor(r.anchor, anchors[i] if anchors and i < len(anchors) else "", i + 1, self.env_id)
+            _check_anchor(self.anchor, final_anchor, len(actions), self.env_id)
+        finally:
+            self._replaying = False
+
+
+def _check_anchor(replayed: str, expected: str, turn: int, env_id: str) -> None:
+    if expected and replayed != expected:
+        raise SessionError("FAILED_PRECONDITION",
+                           f"replay of {env_id} diverged at turn {turn}: anchor {replayed} where the session "
+                           f"had {expected}")
 
 
 def _add(components: dict, key: str, value: float) -> None:

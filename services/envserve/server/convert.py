@@ -67,7 +67,20 @@ def spec_to_proto(spec: EnvSpec) -> pb.EnvSpec:
         modalities=list(spec.modalities), config_schema_json=json.dumps(spec.config_schema()),
         splits=[pb.Split(name=s.name, description=s.description) for s in spec.splits],
         action_space=spec.action_space, supports_snapshot=spec.supports_snapshot,
+        replay_exact=spec.replay_exact,
     )
+
+
+def history_from_proto(h: pb.SessionHistory) -> dict:
+    """A SessionHistory as the keyword values of Session.restore (picklable, for a worker)."""
+    from google.protobuf import json_format
+    return {
+        "env_id": h.env_id, "action_format": h.action_format,
+        "config": json_format.MessageToDict(h.config) if h.HasField("config") else {},
+        "seed": h.seed if h.HasField("seed") else None, "trial": h.trial, "episode": h.episode,
+        "reset_anchor": h.reset_anchor, "actions": [t.action for t in h.turns],
+        "anchors": [t.anchor for t in h.turns],
+    }
 
 
 def frame_repeated(field_number: int, items: list[bytes]) -> bytes:

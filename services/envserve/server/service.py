@@ -464,6 +464,55 @@ class EnvService(pb_grpc.EnvServiceServicer):
         finally:
             r.leave()
 
+    async def Restore(self, request, context):
+        """Rebuilds each history as a new session here (see Session.restore); one that cannot be
+        replayed fails alone, with its status."""
+        r = self.r
+        owner = await caller(context, r.auth.env_owner)
+        if r.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "replica is draining; restore elsewhere")
+        count = len(request.sessions)
+        if count > r.config.max_open_per_call:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"at most {r.config.max_open_per_call} per call")
+        if len(r.sessions) + count > r.config.max_sessions:
+            r.metrics.errors.labels("RESOURCE_EXHAUSTED").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"replica is full: {len(r.sessions)} of {r.config.max_sessions} sessions open")
+        out = [pb.RestoredSession() for _ in range(count)]
+        plan: dict[int, tuple[WorkerHandle, list[int], list]] = {}
+        workers = iter(r.pick_workers(count))
+        for i, h in enumerate(request.sessions):
+            spec = r.specs.get(h.env_id)
+            if spec is None:
+                out[i].status.CopyFrom(pb.ItemStatus(code=code_number("NOT_FOUND"),
+                                                     message=f"env {h.env_id!r} is not served here"))
+                continue
+            w = next(workers, None)
+            if w is None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is running; try again shortly")
+            sid = r.new_session_id()
+            out[i].session_id = sid
+            plan.setdefault(w.slot, (w, [], []))[1].append(i)
+            plan[w.slot][2].append((sid, convert.history_from_proto(h)))
+        r.enter()
+        try:
+            replies = await asyncio.gather(*[r.pool.call(w, "restore", items) for w, _, items in plan.values()],
+                                           return_exceptions=True)
+            for (w, indices, items), reply in zip(plan.values(), replies):
+                for k, (i, (sid, h)) in enumerate(zip(indices, items)):
+                    got = ("error", "UNAVAILABLE", f"restore failed: {reply}") \
+                        if isinstance(reply, BaseException) else reply[k]
+                    if got[0] == "ok":
+                        r.add_sessions([sid], h["env_id"], w, owner)
+                        out[i].anchor = got[1]
+                    else:
+                        out[i].session_id = ""
+                        out[i].status.CopyFrom(pb.ItemStatus(code=code_number(got[1]), message=got[2]))
+                        r.metrics.errors.labels(got[1]).inc()
+            return pb.RestoreResponse(sessions=out, lease_seconds=r.config.lease_seconds)
+        finally:
+            r.leave()
+
     async def Close(self, request, context):
         owner = await caller(context, self.r.auth.env_owner)
         return pb.CloseResponse(statuses=await self.r.close_sessions(list(request.session_ids), owner))

@@ -119,6 +119,25 @@ class Worker:
             return ("error", "INTERNAL", f"fork failed: {type(e).__name__}: {e}")
         return ("ok",)
 
+    def op_restore(self, items):
+        """[(sid, history)] -> [("ok", anchor) or ("error", code, message)], one per item: each
+        session rebuilt by replaying its history (Session.restore); one failing fails alone."""
+        out = []
+        for sid, h in items:
+            try:
+                s = Session.restore(h["env_id"], h["config"], h["action_format"], h["seed"], h["trial"],
+                                    h["episode"], h["actions"], h["anchors"], h["reset_anchor"])
+            except SessionError as e:
+                out.append(("error", e.code, e.message))
+                continue
+            except Exception as e:  # an env bug fails its item
+                traceback.print_exc()
+                out.append(("error", "INTERNAL", f"restore failed: {type(e).__name__}: {e}"))
+                continue
+            self.sessions[sid] = s
+            out.append(("ok", s.anchor))
+        return out
+
     def op_get_state(self, payload):
         sid, turn, episode, trial = payload
         s = self.sessions.get(sid)

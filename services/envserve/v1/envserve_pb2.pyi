@@ -24,7 +24,7 @@ class Split(_message.Message):
     def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ...) -> None: ...
 
 class EnvSpec(_message.Message):
-    __slots__ = ("env_id", "description", "system_prompt", "default_action_format", "action_formats", "max_turns", "max_actions_per_turn", "modalities", "config_schema_json", "splits", "action_space", "supports_snapshot")
+    __slots__ = ("env_id", "description", "system_prompt", "default_action_format", "action_formats", "max_turns", "max_actions_per_turn", "modalities", "config_schema_json", "splits", "action_space", "supports_snapshot", "replay_exact")
     ENV_ID_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class EnvSpec(_message.Message):
     SPLITS_FIELD_NUMBER: _ClassVar[int]
     ACTION_SPACE_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_EXACT_FIELD_NUMBER: _ClassVar[int]
     env_id: str
     description: str
     system_prompt: str
@@ -49,7 +50,8 @@ class EnvSpec(_message.Message):
     splits: _containers.RepeatedCompositeFieldContainer[Split]
     action_space: str
     supports_snapshot: bool
-    def __init__(self, env_id: _Optional[str] = ..., description: _Optional[str] = ..., system_prompt: _Optional[str] = ..., default_action_format: _Optional[str] = ..., action_formats: _Optional[_Iterable[str]] = ..., max_turns: _Optional[int] = ..., max_actions_per_turn: _Optional[int] = ..., modalities: _Optional[_Iterable[str]] = ..., config_schema_json: _Optional[str] = ..., splits: _Optional[_Iterable[_Union[Split, _Mapping]]] = ..., action_space: _Optional[str] = ..., supports_snapshot: _Optional[bool] = ...) -> None: ...
+    replay_exact: bool
+    def __init__(self, env_id: _Optional[str] = ..., description: _Optional[str] = ..., system_prompt: _Optional[str] = ..., default_action_format: _Optional[str] = ..., action_formats: _Optional[_Iterable[str]] = ..., max_turns: _Optional[int] = ..., max_actions_per_turn: _Optional[int] = ..., modalities: _Optional[_Iterable[str]] = ..., config_schema_json: _Optional[str] = ..., splits: _Optional[_Iterable[_Union[Split, _Mapping]]] = ..., action_space: _Optional[str] = ..., supports_snapshot: _Optional[bool] = ..., replay_exact: _Optional[bool] = ...) -> None: ...
 
 class ListEnvsRequest(_message.Message):
     __slots__ = ()
@@ -256,6 +258,58 @@ class ForkResponse(_message.Message):
     SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     session_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReplayTurn(_message.Message):
+    __slots__ = ("action", "anchor")
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_FIELD_NUMBER: _ClassVar[int]
+    action: str
+    anchor: str
+    def __init__(self, action: _Optional[str] = ..., anchor: _Optional[str] = ...) -> None: ...
+
+class SessionHistory(_message.Message):
+    __slots__ = ("env_id", "config", "action_format", "seed", "trial", "episode", "reset_anchor", "turns")
+    ENV_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TRIAL_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_FIELD_NUMBER: _ClassVar[int]
+    RESET_ANCHOR_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    env_id: str
+    config: _struct_pb2.Struct
+    action_format: str
+    seed: int
+    trial: int
+    episode: int
+    reset_anchor: str
+    turns: _containers.RepeatedCompositeFieldContainer[ReplayTurn]
+    def __init__(self, env_id: _Optional[str] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., action_format: _Optional[str] = ..., seed: _Optional[int] = ..., trial: _Optional[int] = ..., episode: _Optional[int] = ..., reset_anchor: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[ReplayTurn, _Mapping]]] = ...) -> None: ...
+
+class RestoreRequest(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionHistory]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionHistory, _Mapping]]] = ...) -> None: ...
+
+class RestoredSession(_message.Message):
+    __slots__ = ("session_id", "status", "anchor")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    status: ItemStatus
+    anchor: str
+    def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[ItemStatus, _Mapping]] = ..., anchor: _Optional[str] = ...) -> None: ...
+
+class RestoreResponse(_message.Message):
+    __slots__ = ("sessions", "lease_seconds")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[RestoredSession]
+    lease_seconds: float
+    def __init__(self, sessions: _Optional[_Iterable[_Union[RestoredSession, _Mapping]]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("session_ids",)

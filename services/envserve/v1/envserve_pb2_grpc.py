@@ -75,6 +75,11 @@ class EnvServiceStub:
                 request_serializer=envserve_dot_v1_dot_envserve__pb2.CloseRequest.SerializeToString,
                 response_deserializer=envserve_dot_v1_dot_envserve__pb2.CloseResponse.FromString,
                 _registered_method=True)
+        self.Restore = channel.unary_unary(
+                '/envserve.v1.EnvService/Restore',
+                request_serializer=envserve_dot_v1_dot_envserve__pb2.RestoreRequest.SerializeToString,
+                response_deserializer=envserve_dot_v1_dot_envserve__pb2.RestoreResponse.FromString,
+                _registered_method=True)
 
 
 class EnvServiceServicer:
@@ -134,6 +139,15 @@ class EnvServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Restore(self, request, context):
+        """Rebuilds sessions from their histories (reset arguments and actions) on this replica: how a
+        client carries a session over from a replica that died or drained. Per item: a new session
+        id, or why the history could not be replayed here (a divergent replay names its turn).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EnvServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -176,6 +190,11 @@ def add_EnvServiceServicer_to_server(servicer, server):
                     servicer.Close,
                     request_deserializer=envserve_dot_v1_dot_envserve__pb2.CloseRequest.FromString,
                     response_serializer=envserve_dot_v1_dot_envserve__pb2.CloseResponse.SerializeToString,
+            ),
+            'Restore': grpc.unary_unary_rpc_method_handler(
+                    servicer.Restore,
+                    request_deserializer=envserve_dot_v1_dot_envserve__pb2.RestoreRequest.FromString,
+                    response_serializer=envserve_dot_v1_dot_envserve__pb2.RestoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -395,6 +414,33 @@ class EnvService:
             '/envserve.v1.EnvService/Close',
             envserve_dot_v1_dot_envserve__pb2.CloseRequest.SerializeToString,
             envserve_dot_v1_dot_envserve__pb2.CloseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Restore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/envserve.v1.EnvService/Restore',
+            envserve_dot_v1_dot_envserve__pb2.RestoreRequest.SerializeToString,
+            envserve_dot_v1_dot_envserve__pb2.RestoreResponse.FromString,
             options,
             channel_credentials,
             insecure,
