@@ -1,5 +1,6 @@
 """AsyncRoutedClient: the routed client for asyncio trainers, with an EnvPool-style stream that
-spans replicas: send to any session, recv whatever any replica has finished."""
+spans replicas: send to any session, recv whatever any replica has finished. Lost sessions are
+rebuilt on live replicas as by RoutedClient (routing.py), on the stream too."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +15,8 @@ from envserve.v1 import envserve_pb2 as pb
 from . import _requests as rq
 from .aio import AsyncEnvClient, InteractStream
 from .errors import EnvServeError, UnavailableError, make_error
-from .routing import _RETRY_ELSEWHERE, Router, indices_by_replica
+from .recovery import replica_gone
+from .routing import _RETRY_ELSEWHERE, Router, _on, indices_by_replica
 
 
 class AsyncRoutedClient(Router):
@@ -70,6 +72,7 @@ class AsyncRoutedClient(Router):
             await self.close_sessions(opened)
             raise last_error or UnavailableError(
                 grpc.StatusCode.UNAVAILABLE, f"no live replica serving {env_id!r} has room for {count} sessions")
+        self.sessions.opened(opened, env_id, config, action_format)
         return opened, prompt
 
     async def _fan_out(self, items: list, sid_of, call) -> list:
@@ -102,16 +105,63 @@ class AsyncRoutedClient(Router):
 
         async def call(c: AsyncEnvClient, its):
             return list((await c._call(c.env.Reset, pb.ResetRequest(items=its))).results)
-        return await self._fan_out(items, lambda it: it.session_id, call)
+        return await self._items(items, call, step=False)
 
     async def step(self, actions: "Mapping[str, str] | Iterable[tuple[str, str]]") -> list[pb.StepResult]:
-        pairs = list(actions.items() if isinstance(actions, Mapping) else actions)
-        return await self._fan_out(pairs, lambda p: p[0], lambda c, its: c.step(its))
+        items = list(rq.step_request(actions).items)
+
+        async def call(c: AsyncEnvClient, its):
+            return list((await c._call(c.env.Step, pb.StepRequest(items=its))).results)
+        return await self._items(items, call, step=True)
+
+    async def _items(self, items: list, call, step: bool) -> list[pb.StepResult]:
+        """As RoutedClient._items: sent where each session is now, lost ones rebuilt and sent again."""
+        table = self.sessions
+
+        async def send(positions):
+            return await self._fan_out([_on(items[i], table.current(items[i].session_id)) for i in positions],
+                                       lambda it: it.session_id, call)
+        results = await send(range(len(items)))
+        given_up: set[int] = set()
+        for _ in range(table.settings.attempts):
+            lost = self._lost_items(items, results, given_up)
+            if not lost:
+                break
+            moved = await asyncio.to_thread(self.restore, [items[i].session_id for i in lost],
+                                            self._avoid(items, results, lost))
+            again = []
+            for i in lost:
+                got = moved[items[i].session_id]
+                if isinstance(got, str):
+                    again.append(i)
+                else:
+                    results[i] = got
+                    given_up.add(i)
+            for i, r in zip(again, await send(again)):
+                results[i] = r
+        return [table.answer(it.session_id, r, it.action if step else None) for it, r in zip(items, results)]
+
+    async def _with_recovery(self, session_id: str, call):
+        """await call(id of the session now) for one caller session, rebuilt once if it was lost."""
+        table = self.sessions
+        real = table.current(session_id)
+        try:
+            return await call(real)
+        except EnvServeError as e:
+            if not table.recoverable(session_id, e.code.value[0]):
+                raise
+            avoid = {replica_of(real)} if e.code == grpc.StatusCode.UNAVAILABLE else set()
+            got = (await asyncio.to_thread(self.restore, [session_id], avoid))[session_id]
+            if not isinstance(got, str):
+                raise make_error(grpc.StatusCode.DATA_LOSS, got.status.message, session_id) from None
+            return await call(got)
 
     async def close_sessions(self, session_ids: Sequence[str]) -> list[pb.ItemStatus]:
         if not session_ids:
             return []
-        out = await self._fan_out(list(session_ids), lambda s: s, lambda c, its: c.close_sessions(its))
+        real = [self.sessions.current(s) for s in session_ids]
+        self.sessions.closed(session_ids)
+        out = await self._fan_out(real, lambda s: s, lambda c, its: c.close_sessions(its))
         return [r if isinstance(r, pb.ItemStatus) else r.status for r in out]
 
     async def _session_client(self, session_id: str) -> AsyncEnvClient:
@@ -123,10 +173,18 @@ class AsyncRoutedClient(Router):
 
     async def get_state(self, session_id: str, turn: int = -1, episode: int | None = None,
                         trial: int | None = None) -> pb.GetStateResponse:
-        return await (await self._session_client(session_id)).get_state(session_id, turn, episode, trial)
+        async def call(real):
+            return await (await self._session_client(real)).get_state(real, turn, episode, trial)
+        state = await self._with_recovery(session_id, call)
+        state.session_id = session_id
+        return state
 
     async def fork(self, session_id: str, count: int = 1) -> list[str]:
-        return await (await self._session_client(session_id)).fork(session_id, count)
+        async def call(real):
+            return await (await self._session_client(real)).fork(real, count)
+        children = await self._with_recovery(session_id, call)
+        self.sessions.forked(session_id, children)
+        return children
 
     def stream(self) -> "RoutedStream":
         return RoutedStream(self)
@@ -135,6 +193,9 @@ class AsyncRoutedClient(Router):
         for c in list(self._clients.values()):
             await c.close()
         self._clients.clear()
+        for b in list(self._blocking.values()):
+            b.close()
+        self._blocking.clear()
         if self._owns_directory:
             await asyncio.to_thread(self.directory.close)
 
@@ -148,25 +209,33 @@ class AsyncRoutedClient(Router):
 class RoutedStream:
     """One Interact stream per replica, opened on first use, behind one send/recv interface.
     Tags are this stream's own; recv() returns (tag, StepResult) pairs from whichever replicas
-    have results (at least one pair)."""
+    have results (at least one pair). An item whose session was lost waits while the session is
+    rebuilt on a live replica and is sent again there; its caller sees only the result."""
 
     def __init__(self, client: AsyncRoutedClient):
         self._client = client
         self._tags = itertools.count(1)
         self._streams: dict[str, InteractStream] = {}
-        self._readers: dict[str, asyncio.Task] = {}
-        self._tag_map: dict[tuple[str, int], int] = {}  # (replica, its tag) -> our tag
-        self._pending: dict[str, dict[int, str]] = {}  # replica -> our tag -> session id
+        self._readers: dict[InteractStream, asyncio.Task] = {}
+        self._tag_map: dict[tuple[InteractStream, int], int] = {}  # (stream, its tag) -> our tag
+        # stream -> our tag -> (caller's session id, item, recovery attempts so far); per stream, not
+        # per replica: a replica's broken stream still settles its own items after a new one opened
+        self._pending: dict[InteractStream, dict[int, tuple]] = {}
         self._ready: asyncio.Queue = asyncio.Queue()
+        self._lost: list[tuple] = []  # (our tag, session, item, attempts, avoid) awaiting a rebuild
+        self._recovery: asyncio.Task | None = None
         self.in_flight = 0
 
     async def __aenter__(self) -> "RoutedStream":
         return self
 
     async def __aexit__(self, *exc) -> None:
-        for task in self._readers.values():
+        tasks = [*self._readers.values(), *([self._recovery] if self._recovery else [])]
+        for task in tasks:
             task.cancel()
-        for s in self._streams.values():
+        # Wait for them to end before closing their streams under them.
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in list(self._streams.values()):
             await s.__aexit__(*exc)
 
     async def _stream_for(self, r: ReplicaInfo) -> InteractStream:
@@ -174,42 +243,86 @@ class RoutedStream:
         if s is None:
             c = self._client.client_for(r)
             s = self._streams[r.replica_id] = await InteractStream(c.env, c.metadata).__aenter__()
-            self._pending[r.replica_id] = {}
-            self._readers[r.replica_id] = asyncio.get_running_loop().create_task(self._read(r, s))
+            self._pending[s] = {}
+            self._readers[s] = asyncio.get_running_loop().create_task(self._read(r, s))
         return s
 
     async def _read(self, r: ReplicaInfo, s: InteractStream) -> None:
         try:
             while True:
                 for local, result in await s.recv():
-                    ours = self._tag_map.pop((r.replica_id, local))
-                    self._pending[r.replica_id].pop(ours, None)
-                    self._ready.put_nowait((ours, result))
+                    ours = self._tag_map.pop((s, local))
+                    sid, item, attempts = self._pending[s].pop(ours)
+                    self._settle(ours, sid, item, attempts, result)
         except (EnvServeError, EOFError) as e:
-            # The replica's stream broke: everything still in flight there fails, alone.
+            # The replica's stream broke: everything still in flight there fails, alone (or is rebuilt).
             code = e.code if isinstance(e, EnvServeError) else grpc.StatusCode.UNAVAILABLE
             gone = code == grpc.StatusCode.UNAVAILABLE and not await asyncio.to_thread(
                 self._client.still_listed, r.replica_id)
-            for ours, sid in self._pending.pop(r.replica_id, {}).items():
-                self._ready.put_nowait((ours, self._client._unreachable(sid, r, code, str(e), gone)))
-            self._streams.pop(r.replica_id, None)
-            self._readers.pop(r.replica_id, None)
+            if self._streams.get(r.replica_id) is s:
+                self._streams.pop(r.replica_id, None)
+            self._readers.pop(s, None)
+            for ours, (sid, item, attempts) in self._pending.pop(s, {}).items():
+                real = self._client.sessions.current(sid)
+                self._settle(ours, sid, item, attempts, self._client._unreachable(real, r, code, str(e), gone))
 
-    async def _send(self, session_id: str, send) -> int:
+    def _settle(self, ours: int, sid: str, item: tuple, attempts: int, result: pb.StepResult) -> None:
+        """A result for our tag: the caller's, or (session lost) queued for a rebuild and a resend."""
+        table = self._client.sessions
+        if attempts < table.settings.attempts and table.recoverable(sid, result.status.code):
+            avoid = {replica_of(table.current(sid))} if replica_gone(result) else set()
+            self._lost.append((ours, sid, item, attempts + 1, avoid))
+            if self._recovery is None:
+                self._recovery = asyncio.get_running_loop().create_task(self._rebuild())
+            return
+        self._ready.put_nowait((ours, table.answer(sid, result, item[1] if item[0] == "step" else None)))
+
+    async def _rebuild(self) -> None:
+        """Rebuilds the sessions lost so far, together, then sends their items again."""
+        try:
+            while self._lost:
+                await asyncio.sleep(0)  # let the rest of a broken stream's items join this batch
+                batch, self._lost = self._lost, []
+                avoid = set().union(*(b[4] for b in batch))
+                moved = await asyncio.to_thread(self._client.restore, [b[1] for b in batch], avoid)
+                for ours, sid, item, attempts, _ in batch:
+                    got = moved[sid]
+                    if isinstance(got, str):
+                        await self._put(ours, sid, item, attempts)
+                    else:
+                        self._settle(ours, sid, item, self._client.sessions.settings.attempts, got)
+        finally:
+            self._recovery = None
+
+    async def _put(self, ours: int, sid: str, item: tuple, attempts: int = 0) -> None:
+        """Sends item (("step", action) or ("reset", seed, task_id, split, same_task)) for the caller's
+        session sid to wherever that session is now."""
+        real = self._client.sessions.current(sid)
+        r = await self._client._resolve(real)
+        if r is None:
+            self._settle(ours, sid, item, attempts, self._client._lost(real, replica_of(real)))
+            return
+        s = await self._stream_for(r)
+        try:
+            local = s.send_step(real, item[1]) if item[0] == "step" else s.send_reset(real, *item[1:])
+        except EOFError as e:
+            # The call ended before its reader noticed: forget the stream; the next send opens another.
+            if self._streams.get(r.replica_id) is s:
+                self._streams.pop(r.replica_id, None)
+            self._settle(ours, sid, item, attempts, self._client._unreachable(
+                real, r, grpc.StatusCode.UNAVAILABLE, str(e), False))
+            return
+        self._tag_map[(s, local)] = ours
+        self._pending[s][ours] = (sid, item, attempts)
+
+    async def _send(self, session_id: str, item: tuple) -> int:
         ours = next(self._tags)
         self.in_flight += 1
-        r = await self._client._resolve(session_id)
-        if r is None:
-            self._ready.put_nowait((ours, self._client._lost(session_id, replica_of(session_id))))
-            return ours
-        s = await self._stream_for(r)
-        local = send(s)
-        self._tag_map[(r.replica_id, local)] = ours
-        self._pending[r.replica_id][ours] = session_id
+        await self._put(ours, session_id, item)
         return ours
 
     async def send_step(self, session_id: str, action: str) -> int:
-        return await self._send(session_id, lambda s: s.send_step(session_id, action))
+        return await self._send(session_id, ("step", action))
 
     async def send_steps(self, actions: "Mapping[str, str] | Iterable[tuple[str, str]]") -> list[int]:
         pairs = actions.items() if isinstance(actions, Mapping) else actions
@@ -217,7 +330,7 @@ class RoutedStream:
 
     async def send_reset(self, session_id: str, seed: int | None = None, task_id: str = "", split: str = "",
                          same_task: bool = False) -> int:
-        return await self._send(session_id, lambda s: s.send_reset(session_id, seed, task_id, split, same_task))
+        return await self._send(session_id, ("reset", seed, task_id, split, same_task))
 
     async def recv(self) -> list[tuple[int, pb.StepResult]]:
         out = [await self._ready.get()]

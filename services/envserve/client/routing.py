@@ -3,6 +3,12 @@
 Open picks the least-loaded replicas serving the environment; every later call goes straight to
 the replica a session id names (`<replica_id>/<token>`). Batches are split by replica and sent in
 parallel; one replica's failure fails only its own items.
+
+A session outlives its replica: the client keeps each session's reset arguments and actions
+(recovery.py) and, when a call finds the session lost (its replica dead, drained or restarted, its
+worker killed), rebuilds it on a live replica with Restore, which replays them and checks every
+turn's anchor, then answers the call as if nothing had happened. The caller keeps its session id.
+`recovery=False` turns this off.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from envserve.v1 import envserve_pb2 as pb
 from . import _requests as rq
 from .client import EnvClient
 from .errors import EnvServeError, UnavailableError, from_rpc_error, make_error
+from .recovery import RecoverySettings, SessionTable, lost_result, replica_gone
 
 # Failures of a whole Open that mean "try another replica".
 _RETRY_ELSEWHERE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -26,6 +33,16 @@ _RETRY_ELSEWHERE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUS
 
 def _item_failure(sid: str, code: grpc.StatusCode, message: str) -> pb.StepResult:
     return pb.StepResult(session_id=sid, status=pb.ItemStatus(code=code.value[0], message=message))
+
+
+def _on(item, session_id: str):
+    """The item (StepItem, ResetItem) addressed to session_id."""
+    if item.session_id == session_id:
+        return item
+    copy = type(item)()
+    copy.CopyFrom(item)
+    copy.session_id = session_id
+    return copy
 
 
 def indices_by_replica(items: list, sid_of) -> dict[str, list[int]]:
@@ -39,13 +56,15 @@ def indices_by_replica(items: list, sid_of) -> dict[str, list[int]]:
 class Router:
     """What the sync and async routed clients share: the cached replica list, where to open,
     and which replica a session lives on. directory: a Directory or its URL. use_external:
-    connect to the replicas' external addresses (published container ports)."""
+    connect to the replicas' external addresses (published container ports). recovery: rebuild lost
+    sessions on live replicas (True, the default), not (False), or RecoverySettings."""
 
     client_class = EnvClient
 
     def __init__(self, directory: "Directory | str", token: str | None = None, state_token: str | None = None,
                  root_certificates: "bytes | str | None" = None, tls: bool = False, use_external: bool = False,
-                 timeout: float | None = 60.0, refresh_seconds: float = 1.0, max_open_per_call: int = 4096):
+                 timeout: float | None = 60.0, refresh_seconds: float = 1.0, max_open_per_call: int = 4096,
+                 recovery: "RecoverySettings | bool" = True):
         self.directory = open_directory(directory) if isinstance(directory, str) else directory
         self._owns_directory = isinstance(directory, str)
         self.client_kw = dict(token=token, state_token=state_token, root_certificates=root_certificates,
@@ -58,6 +77,10 @@ class Router:
         self._fetched = 0.0
         self._opened_since_fetch: dict[str, int] = {}
         self._clients: dict[tuple[str, str], EnvClient] = {}
+        self._blocking: dict[tuple[str, str], EnvClient] = {}
+        if not isinstance(recovery, RecoverySettings):
+            recovery = RecoverySettings(enabled=bool(recovery))
+        self.sessions = SessionTable(recovery)
 
     # -- the directory, cached for refresh_seconds ---------------------------------------------
     def replicas(self, env_id: str | None = None, refresh: bool = False) -> list[ReplicaInfo]:
@@ -91,6 +114,17 @@ class Router:
             c = self._clients.get(key)
             if c is None:
                 c = self._clients[key] = self.client_class(key[1], **self.client_kw)
+            return c
+
+    def blocking_client(self, r: ReplicaInfo) -> EnvClient:
+        """A blocking EnvClient for a replica (the async client's recovery runs in a thread)."""
+        if self.client_class is EnvClient:
+            return self.client_for(r)
+        key = (r.replica_id, self.address(r))
+        with self._lock:
+            c = self._blocking.get(key)
+            if c is None:
+                c = self._blocking[key] = EnvClient(key[1], **self.client_kw)
             return c
 
     def _replica_for(self, session_id: str) -> ReplicaInfo | None:
@@ -133,6 +167,83 @@ class Router:
         except DirectoryUnavailable:
             return True  # cannot tell: report it unavailable, not lost
         return replica_id in self._known
+
+    # -- recovery: rebuild lost sessions elsewhere (blocking; the async client calls it in a thread) --
+    def restore(self, session_ids: Sequence[str], avoid: "set[str] | frozenset" = frozenset()
+                ) -> "dict[str, str | pb.StepResult]":
+        """Rebuilds each caller session from its history on a live replica, least loaded first and
+        never on one in `avoid` (unreachable) until none other is left. Returns, per session, the id
+        that holds it now, or the DATA_LOSS item the caller gets when it cannot be rebuilt: no
+        history kept, a replay that diverged (the turn is named), or no replica within the timeout."""
+        table = self.sessions
+        out: dict[str, "str | pb.StepResult"] = {}
+        pending = []
+        for sid in dict.fromkeys(session_ids):
+            why = table.why_not(sid)
+            if why:
+                out[sid] = lost_result(sid, why)
+            else:
+                pending.append(sid)
+        avoid = set(avoid)
+        deadline = time.monotonic() + table.settings.timeout_seconds
+        last = "no live replica serves its environment"
+        while pending:
+            tried = False
+            by_env: dict[str, list[str]] = {}
+            for sid in pending:
+                by_env.setdefault(table.log(sid).env_id, []).append(sid)
+            for env_id, group in by_env.items():
+                try:
+                    shares = self.plan(env_id, len(group), avoid)
+                except DirectoryUnavailable:
+                    shares = {}
+                rest = iter(group)
+                for rid, n in shares.items():
+                    batch = [next(rest) for _ in range(n)]
+                    tried = True
+                    try:
+                        reply = self.blocking_client(self._known[rid]).restore([table.history(s) for s in batch])
+                    except EnvServeError as e:
+                        if e.code not in _RETRY_ELSEWHERE:
+                            out.update((s, lost_result(s, f"replica {rid} refused it: {e.message}")) for s in batch)
+                        avoid.add(rid)
+                        last = f"replica {rid}: {e.message}"
+                        continue
+                    for s, got in zip(batch, reply.sessions):
+                        if got.status.code == 0:
+                            table.moved(s, got.session_id)
+                            self.note_opened(rid, 1)
+                            out[s] = got.session_id
+                        elif grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] == got.status.code:
+                            avoid.add(rid)
+                        else:
+                            out[s] = lost_result(s, got.status.message)
+            pending = [s for s in pending if s not in out]
+            if not pending:
+                break
+            if time.monotonic() >= deadline:
+                out.update((s, lost_result(s, f"no replica took it within {table.settings.timeout_seconds:g} s "
+                                              f"({last})")) for s in pending)
+                break
+            if not tried:
+                # Nothing left to try: wait for a replica to come (back), then try every one again.
+                time.sleep(0.2)
+                avoid.clear()
+            try:
+                self.replicas(refresh=True)
+            except DirectoryUnavailable:
+                pass
+        return out
+
+    def _lost_items(self, items: list, results: list, given_up: set) -> list[int]:
+        """Positions of the items whose session was lost and may be rebuilt."""
+        table = self.sessions
+        return [i for i, r in enumerate(results)
+                if i not in given_up and table.recoverable(items[i].session_id, r.status.code)]
+
+    def _avoid(self, items: list, results: list, lost: list[int]) -> set[str]:
+        """Replicas that did not answer at all: rebuild elsewhere first."""
+        return {replica_of(self.sessions.current(items[i].session_id)) for i in lost if replica_gone(results[i])}
 
     def _lost(self, sid: str, rid: str) -> pb.StepResult:
         return _item_failure(sid, grpc.StatusCode.DATA_LOSS,
@@ -190,6 +301,7 @@ class RoutedClient(Router):
                 raise last_error
             raise UnavailableError(grpc.StatusCode.UNAVAILABLE,
                                    f"no live replica serving {env_id!r} has room for {count} sessions")
+        self.sessions.opened(opened, env_id, config, action_format)
         return pb.OpenResponse(session_ids=opened, lease_seconds=lease, system_prompt=prompt)
 
     def open(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
@@ -227,11 +339,54 @@ class RoutedClient(Router):
     def reset(self, session_ids: Sequence[str], seeds=None, task_id: str = "", split: str = "",
               same_task: bool = False) -> list[pb.StepResult]:
         items = list(rq.reset_request(session_ids, seeds, task_id, split, same_task).items)
-        return self._fan_out(items, lambda it: it.session_id, "Reset", lambda its: pb.ResetRequest(items=its))
+        return self._items(items, "Reset", lambda its: pb.ResetRequest(items=its))
 
     def step(self, actions: "Mapping[str, str] | Iterable[tuple[str, str]]") -> list[pb.StepResult]:
         items = list(rq.step_request(actions).items)
-        return self._fan_out(items, lambda it: it.session_id, "Step", lambda its: pb.StepRequest(items=its))
+        return self._items(items, "Step", lambda its: pb.StepRequest(items=its))
+
+    def _items(self, items: list, method: str, build) -> list[pb.StepResult]:
+        """A batch of StepItems or ResetItems under the caller's ids: sent to where each session
+        is now; lost ones are rebuilt and sent again; results recorded and shown under the caller's ids."""
+        table = self.sessions
+
+        def send(positions):
+            return self._fan_out([_on(items[i], table.current(items[i].session_id)) for i in positions],
+                                 lambda it: it.session_id, method, build)
+        results = send(range(len(items)))
+        given_up: set[int] = set()
+        for _ in range(table.settings.attempts):
+            lost = self._lost_items(items, results, given_up)
+            if not lost:
+                break
+            moved = self.restore([items[i].session_id for i in lost], self._avoid(items, results, lost))
+            again = []
+            for i in lost:
+                got = moved[items[i].session_id]
+                if isinstance(got, str):
+                    again.append(i)
+                else:
+                    results[i] = got
+                    given_up.add(i)
+            for i, r in zip(again, send(again)):
+                results[i] = r
+        return [table.answer(it.session_id, r, it.action if method == "Step" else None)
+                for it, r in zip(items, results)]
+
+    def _with_recovery(self, session_id: str, call):
+        """call(id of the session now) for one caller session, rebuilt once if it was lost."""
+        table = self.sessions
+        real = table.current(session_id)
+        try:
+            return call(real)
+        except EnvServeError as e:
+            if not table.recoverable(session_id, e.code.value[0]):
+                raise
+            avoid = {replica_of(real)} if e.code == grpc.StatusCode.UNAVAILABLE else set()
+            got = self.restore([session_id], avoid)[session_id]
+            if not isinstance(got, str):
+                raise make_error(grpc.StatusCode.DATA_LOSS, got.status.message, session_id) from None
+            return call(got)
 
     def _session_client(self, session_id: str) -> EnvClient:
         r = self._replica_for(session_id)
@@ -242,16 +397,23 @@ class RoutedClient(Router):
 
     def get_state(self, session_id: str, turn: int = -1, episode: int | None = None,
                   trial: int | None = None) -> pb.GetStateResponse:
-        return self._session_client(session_id).get_state(session_id, turn, episode, trial)
+        state = self._with_recovery(
+            session_id, lambda real: self._session_client(real).get_state(real, turn, episode, trial))
+        state.session_id = session_id
+        return state
 
     def fork(self, session_id: str, count: int = 1) -> list[str]:
-        return self._session_client(session_id).fork(session_id, count)
+        children = self._with_recovery(session_id, lambda real: self._session_client(real).fork(real, count))
+        self.sessions.forked(session_id, children)
+        return children
 
     def close_sessions(self, session_ids: Sequence[str]) -> list[pb.ItemStatus]:
         ids = list(session_ids)
         if not ids:
             return []
-        results = self._fan_out(ids, lambda s: s, "Close", lambda sids: pb.CloseRequest(session_ids=sids),
+        real = [self.sessions.current(s) for s in ids]
+        self.sessions.closed(ids)
+        results = self._fan_out(real, lambda s: s, "Close", lambda sids: pb.CloseRequest(session_ids=sids),
                                 "statuses")
         # Close answers statuses, not StepResults; _fan_out placed either kind.
         return [r if isinstance(r, pb.ItemStatus) else r.status for r in results]
@@ -276,6 +438,7 @@ class RoutedClient(Router):
         for c in self._clients.values():
             c.close()
         self._clients.clear()
+        self._blocking.clear()  # the sync client's blocking clients are its own clients
         if self._owns_directory:
             self.directory.close()
 

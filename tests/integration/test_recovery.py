@@ -1,0 +1,305 @@
+"""Sessions outlive their replica: a routed client rebuilds a lost session on a live replica by
+replaying its history (Restore) and answers as if nothing had happened. Real replicas, a real
+redis-server, real kill -9."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+
+import grpc
+import pytest
+
+from envserve.client import AsyncRoutedClient, EnvClient, RoutedClient, messages as pb
+from envserve.client.experts import plain_answer
+from envserve.directory import open_directory, replica_of
+from serverproc import RedisProcess, ServerProcess
+
+HEARTBEAT = 0.5
+GRID = ["sokoban", "frozenlake", "minesweeper"]
+MOVES = {"sokoban": ["Up", "Right", "Down", "Left"], "frozenlake": ["Right", "Down", "Left", "Up"],
+         "minesweeper": ["(0, 0)", "(2, 3)", "(5, 5)", "(1, 4)", "(4, 1)", "(3, 3)"]}
+LOST = grpc.StatusCode.DATA_LOSS.value[0]
+
+
+@pytest.fixture
+def redis_server():
+    try:
+        server = RedisProcess()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    with server:
+        yield server
+
+
+class Cluster:
+    """Replicas registered in one directory, by replica id; a killed one can come back."""
+
+    def __init__(self, redis_url: str, envs, ids, workers=1, env_vars=None):
+        self.url, self.envs, self.workers, self.env_vars = redis_url, list(envs), workers, env_vars
+        self.replicas: dict[str, ServerProcess] = {}
+        for rid in ids:
+            self.start(rid)
+        self.wait_listed(ids)
+
+    def start(self, rid: str, port: int = 0) -> ServerProcess:
+        self.replicas[rid] = ServerProcess(self.envs, workers=self.workers, metrics=False, env_vars=self.env_vars,
+                                           extra=["--directory", self.url, "--heartbeat-seconds", str(HEARTBEAT),
+                                                  "--replica-id", rid, "--port", str(port)])
+        return self.replicas[rid]
+
+    def wait_listed(self, ids, timeout=60.0):
+        directory = open_directory(self.url)
+        deadline = time.time() + timeout
+        try:
+            while time.time() < deadline:
+                try:
+                    if set(ids) <= {r.replica_id for r in directory.replicas()}:
+                        return
+                except Exception:
+                    pass
+                time.sleep(0.05)
+        finally:
+            directory.close()
+        raise AssertionError(f"directory never listed {ids}")
+
+    def close(self):
+        for p in self.replicas.values():
+            p.kill()
+
+
+@pytest.fixture
+def grid_cluster(redis_server):
+    c = Cluster(redis_server.url, GRID, ["rec-a", "rec-b", "rec-c"])
+    yield c
+    c.close()
+
+
+def _answer(env_id: str, seed: int, turn: int) -> str:
+    moves = MOVES[env_id]
+    return plain_answer("free_think", [moves[(seed + turn) % len(moves)]])
+
+
+def _view(r: pb.StepResult) -> tuple:
+    """What a trainer sees of a result (the session id aside)."""
+    return (r.status.code, r.observation.text, round(r.reward, 9), r.done, r.truncated, r.success, r.anchor,
+            r.turn, r.episode, r.trial, r.action_valid, r.transition)
+
+
+def _play(client: RoutedClient, plan, turns: int, fault=None) -> dict:
+    """plan: [(env_id, seed)]. Opens one session each, resets and steps them together for `turns`;
+    fault(turn, sids) runs before that turn's step. Returns {index: [view per call]}."""
+    sids = [client.open(env_id, 1)[0] for env_id, _ in plan]
+    out = {i: [] for i in range(len(plan))}
+    for i, r in enumerate(client.reset(sids, [seed for _, seed in plan])):
+        assert r.session_id == sids[i]
+        out[i].append(_view(r))
+    for t in range(turns):
+        if fault:
+            fault(t, sids)
+        results = client.step([(sid, _answer(env_id, seed, t)) for sid, (env_id, seed) in zip(sids, plan)])
+        for i, r in enumerate(results):
+            assert r.session_id == sids[i]  # the caller's id, wherever the session lives now
+            out[i].append(_view(r))
+    client.close_sessions(sids)
+    return out
+
+
+def _kill_host_of(cluster: Cluster, sid: str, at_turn: int, state: dict):
+    def fault(turn, sids):
+        if turn == at_turn and not state.get("done"):
+            rid = replica_of(sid)
+            cluster.replicas[rid].kill()
+            state["done"], state["killed"] = True, rid
+    return fault
+
+
+def test_grid_sessions_survive_kill_of_their_replica(grid_cluster):
+    plan = [(GRID[i % 3], 100 + i) for i in range(18)]
+    with RoutedClient(grid_cluster.url) as ref_client:
+        reference = _play(ref_client, plan, turns=8)
+    state: dict = {}
+    with RoutedClient(grid_cluster.url) as client:
+        first = client.open("sokoban", 1)[0]  # the first session's replica is killed at turn 4
+        client.close_sessions([first])
+        faulted = _play(client, plan, turns=8, fault=_kill_host_of(grid_cluster, first, 4, state))
+        assert client.sessions.recovered >= 1
+    assert state.get("killed")
+    assert faulted == reference  # observations, rewards, anchors, counters: all as without the fault
+    assert all(view[0] == 0 for views in faulted.values() for view in views[:1])
+
+
+def test_recovery_off_loses_the_sessions_as_before(grid_cluster):
+    with RoutedClient(grid_cluster.url, recovery=False) as client:
+        sids = client.open("sokoban", 6)
+        assert all(r.status.code == 0 for r in client.reset(sids, list(range(6))))
+        victim = replica_of(sids[0])
+        grid_cluster.replicas[victim].kill()
+        results = client.step([(s, _answer("sokoban", 0, 0)) for s in sids])
+        on_victim = [r for s, r in zip(sids, results) if replica_of(s) == victim]
+        assert on_victim and all(r.status.code != 0 for r in on_victim)
+        assert client.sessions.recovered == 0
+
+
+def test_stream_recovers_in_flight_items_after_a_kill(grid_cluster):
+    """The trainer's path: AsyncRoutedClient's stream, items in flight when the replica dies."""
+    plan = [(GRID[i % 3], 300 + i) for i in range(12)]
+
+    async def run(kill_at: int | None):
+        async with AsyncRoutedClient(grid_cluster.url) as client:
+            sids = [(await client.open(env_id, 1))[0] for env_id, _ in plan]
+            views = {i: [] for i in range(len(plan))}
+            async with client.stream() as stream:
+                tags = {await stream.send_reset(s, seed=seed): i for i, (s, (_, seed)) in enumerate(zip(sids, plan))}
+                for t in range(7):
+                    got = {}
+                    while len(got) < len(tags):
+                        for tag, r in await stream.recv():
+                            got[tags[tag]] = r
+                    for i, r in sorted(got.items()):
+                        assert r.session_id == sids[i]
+                        views[i].append(_view(r))
+                    tags = {}
+                    for i, (s, (env_id, seed)) in enumerate(zip(sids, plan)):
+                        tags[await stream.send_step(s, _answer(env_id, seed, t))] = i
+                    if t == kill_at:  # the items just sent are in flight on the dying replica
+                        grid_cluster.replicas[replica_of(sids[0])].kill()
+                got = {}
+                while len(got) < len(tags):
+                    for tag, r in await stream.recv():
+                        got[tags[tag]] = r
+                for i, r in sorted(got.items()):
+                    views[i].append(_view(r))
+            recovered = client.sessions.recovered
+            await client.close_sessions(sids)
+            return views, recovered
+
+    reference, _ = asyncio.run(run(None))
+    faulted, recovered = asyncio.run(run(3))
+    assert recovered >= 1
+    assert faulted == reference
+
+
+def test_a_session_survives_its_replica_restarting_on_the_same_address(redis_server):
+    """One replica only: the session waits for it to come back, then is rebuilt there (NOT_FOUND or
+    UNAVAILABLE from the restarted replica both mean lost)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cluster = Cluster(redis_server.url, ["sokoban"], [])
+    try:
+        cluster.start("solo", port)
+        cluster.wait_listed(["solo"])
+        with RoutedClient(redis_server.url) as client, RoutedClient(redis_server.url) as ref:
+            sid, ref_sid = client.open("sokoban", 1)[0], ref.open("sokoban", 1)[0]
+            for c, s in ((client, sid), (ref, ref_sid)):
+                assert c.reset([s], [7])[0].status.code == 0
+                for t in range(3):
+                    assert c.step([(s, _answer("sokoban", 7, t))])[0].status.code == 0
+            expected = ref.step([(ref_sid, _answer("sokoban", 7, 3))])[0]
+            cluster.replicas["solo"].kill()
+            cluster.start("solo", port)
+            got = client.step([(sid, _answer("sokoban", 7, 3))])[0]
+            assert got.status.code == 0, got.status.message
+            assert got.session_id == sid
+            assert _view(got) == _view(expected)
+            assert client.get_state(sid).anchor == got.anchor
+    finally:
+        cluster.close()
+
+
+def test_recovery_after_a_worker_dies(redis_server):
+    cluster = Cluster(redis_server.url, ["sokoban"], ["w-a"], workers=2)
+    try:
+        with RoutedClient(redis_server.url) as client, RoutedClient(redis_server.url) as ref:
+            sids, ref_sids = client.open("sokoban", 6), ref.open("sokoban", 6)
+            for c, ss in ((client, sids), (ref, ref_sids)):
+                assert all(r.status.code == 0 for r in c.reset(ss, list(range(6))))
+                assert all(r.status.code == 0 for r in c.step([(s, _answer("sokoban", i, 0)) for i, s in enumerate(ss)]))
+            os.kill(cluster.replicas["w-a"].worker_pids()[0], signal.SIGKILL)
+            time.sleep(0.5)  # let the front see the death (its lost sessions answer DATA_LOSS)
+            got = client.step([(s, _answer("sokoban", i, 1)) for i, s in enumerate(sids)])
+            expected = ref.step([(s, _answer("sokoban", i, 1)) for i, s in enumerate(ref_sids)])
+            assert [r.session_id for r in got] == sids
+            assert [_view(r) for r in got] == [_view(r) for r in expected]
+            assert client.sessions.recovered >= 1
+    finally:
+        cluster.close()
+
+
+def test_a_divergent_replay_fails_naming_the_turn(grid_cluster):
+    with RoutedClient(grid_cluster.url) as client:
+        sid = client.open("sokoban", 1)[0]
+        assert client.reset([sid], [11])[0].status.code == 0
+        for t in range(4):
+            assert client.step([(sid, _answer("sokoban", 11, t))])[0].status.code == 0
+        client.sessions.log(sid).anchors[2] = "0123456789abcdef"  # what turn 3 "was"
+        grid_cluster.replicas[replica_of(sid)].kill()
+        got = client.step([(sid, _answer("sokoban", 11, 4))])[0]
+        assert got.status.code == LOST
+        assert "diverged at turn 3" in got.status.message
+        assert got.session_id == sid
+
+
+def test_restore_checks_every_anchor_and_rebuilds_the_ground_truth(grid_cluster):
+    """The Restore call itself: a history replayed elsewhere ends in the same anchor, its turns
+    readable by GetState; a wrong anchor names its turn; an unknown env fails only its item."""
+    a, b = grid_cluster.replicas["rec-a"], grid_cluster.replicas["rec-b"]
+    with EnvClient(a.address) as ca, EnvClient(b.address) as cb:
+        sid = ca.open("frozenlake", 1)[0]
+        first = ca.reset([sid], [5])[0]
+        steps = [ca.step([(sid, _answer("frozenlake", 5, t))])[0] for t in range(3)]
+        history = pb.SessionHistory(env_id="frozenlake", seed=5, trial=first.trial, episode=first.episode,
+                                    reset_anchor=first.anchor,
+                                    turns=[pb.ReplayTurn(action=_answer("frozenlake", 5, t), anchor=r.anchor)
+                                           for t, r in enumerate(steps)])
+        bad = pb.SessionHistory()
+        bad.CopyFrom(history)
+        bad.turns[1].anchor = "ffffffffffffffff"
+        reply = cb.restore([history, bad, pb.SessionHistory(env_id="no-such-env", seed=1)])
+        ok, diverged, unknown = reply.sessions
+        assert ok.status.code == 0 and ok.anchor == steps[-1].anchor
+        assert diverged.session_id == "" and diverged.status.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+        assert "diverged at turn 2" in diverged.status.message
+        assert unknown.status.code == grpc.StatusCode.NOT_FOUND.value[0]
+        for turn in range(4):
+            assert cb.get_state(ok.session_id, turn).anchor == ca.get_state(sid, turn).anchor
+        nxt = _answer("frozenlake", 5, 3)
+        assert _view(cb.step([(ok.session_id, nxt)])[0]) == _view(ca.step([(sid, nxt)])[0])
+
+
+def test_a_fork_inherits_its_parents_history_and_is_recovered(grid_cluster):
+    with RoutedClient(grid_cluster.url) as client, RoutedClient(grid_cluster.url) as ref:
+        def prepare(c):
+            sid = c.open("sokoban", 1)[0]
+            c.reset([sid], [21])
+            for t in range(3):
+                c.step([(sid, _answer("sokoban", 21, t))])
+            return c.fork(sid, 2)
+        kids, ref_kids = prepare(client), prepare(ref)
+        for c, ks in ((client, kids), (ref, ref_kids)):
+            c.step([(ks[0], _answer("sokoban", 21, 3))])
+        grid_cluster.replicas[replica_of(kids[0])].kill()
+        got = client.step([(k, _answer("sokoban", 21, 4 + i)) for i, k in enumerate(kids)])
+        expected = ref.step([(k, _answer("sokoban", 21, 4 + i)) for i, k in enumerate(ref_kids)])
+        assert [r.session_id for r in got] == kids
+        assert [_view(r) for r in got] == [_view(r) for r in expected]
+
+
+def test_recovery_goes_on_while_the_directory_is_down(grid_cluster, redis_server):
+    """Redis restarts empty: the client serves known sessions from its cache, and a lost one is
+    rebuilt on a replica it already knows; replicas re-register on their next heartbeat."""
+    with RoutedClient(grid_cluster.url) as client, RoutedClient(grid_cluster.url) as ref:
+        sids, ref_sids = client.open("frozenlake", 6), ref.open("frozenlake", 6)
+        for c, ss in ((client, sids), (ref, ref_sids)):
+            assert all(r.status.code == 0 for r in c.reset(ss, list(range(40, 46))))
+        redis_server.stop()
+        grid_cluster.replicas[replica_of(sids[0])].kill()
+        got = client.step([(s, _answer("frozenlake", 40 + i, 0)) for i, s in enumerate(sids)])
+        expected = ref.step([(s, _answer("frozenlake", 40 + i, 0)) for i, s in enumerate(ref_sids)])
+        assert [_view(r) for r in got] == [_view(r) for r in expected]
+        redis_server.start()
+        alive = [rid for rid, p in grid_cluster.replicas.items() if p.proc.poll() is None]
+        grid_cluster.wait_listed(alive)
