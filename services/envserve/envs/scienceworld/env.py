@@ -372,8 +372,11 @@ class ScienceWorldEnv(Environment):
     def anchor_data(self) -> Any:
         # The place, what is seen and held, and the score identify the state; the move count
         # would make every step a new state.
+        # Lines sorted: the simulator lists a room's objects in its JVM's hash order, which depends
+        # on what else that JVM has loaded, so the same state can be listed in another order.
         s = self.ground_truth().state
-        return "\x1f".join([s["task"], str(s["variation"]), s["look"], *s["inventory"], str(s["score"])])
+        return "\x1f".join([s["task"], str(s["variation"]), *sorted(s["look"].splitlines()),
+                            *sorted(s["inventory"]), str(s["score"])])
 
     def valid_actions(self) -> list[str]:
         """The simulator's valid action/object combinations (about 50 ms each state): only called
