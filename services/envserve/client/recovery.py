@@ -60,7 +60,7 @@ class SessionLog:
                               episode=self.episode, reset_anchor=self.reset_anchor,
                               turns=[pb.ReplayTurn(action=a, anchor=n) for a, n in zip(self.actions, self.anchors)])
         if self.config:
-            h.config.CopyFrom(rq.open_request("", 1, self.config).config)
+            h.config.CopyFrom(rq.open_request("", 1, self.config, "").config)
         if self.seed is not None:
             h.seed = self.seed
         return h
