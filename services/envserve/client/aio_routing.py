@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from typing import Any, Iterable, Mapping, Sequence
 
 import grpc
@@ -49,10 +50,16 @@ class AsyncRoutedClient(Router):
         opened: list[str] = []
         tried: set[str] = set()
         last_error: EnvServeError | None = None
+        deadline = self.open_deadline()
         while len(opened) < count:
             shares = self.plan(env_id, count - len(opened), tried)
             if not shares:
-                break
+                if time.monotonic() >= deadline or self.listed(env_id):
+                    break  # full or refusing replicas answer at once; only an empty listing is waited out
+                await asyncio.sleep(0.2)  # no replica now: wait for one (see Router.open_deadline)
+                await asyncio.to_thread(self._refresh_quietly)
+                tried.clear()
+                continue
             rids = list(shares)
             replies = await asyncio.gather(
                 *[self.client_for(self._known[rid]).open_with_prompt(env_id, shares[rid], config, action_format)

@@ -155,6 +155,22 @@ class Router:
             shares[rid] = shares.get(rid, 0) + 1
         return shares
 
+    def open_deadline(self) -> float:
+        """Until when Open waits for a replica to appear while none can take its sessions: as long as
+        a recovery would (a Redis restarted empty lists no replica until their next heartbeats);
+        not at all with recovery off."""
+        return time.monotonic() + (self.sessions.settings.timeout_seconds if self.sessions.enabled else 0.0)
+
+    def listed(self, env_id: str) -> bool:
+        """Whether any replica not draining is listed for env_id (in the cached listing)."""
+        return any(not r.draining for r in self.replicas(env_id))
+
+    def _refresh_quietly(self) -> None:
+        try:
+            self.replicas(refresh=True)
+        except DirectoryUnavailable:
+            pass
+
     def note_opened(self, replica_id: str, n: int) -> None:
         """Count n sessions opened on a replica until its next heartbeat reports them."""
         with self._lock:
@@ -229,10 +245,7 @@ class Router:
                 # Nothing left to try: wait for a replica to come (back), then try every one again.
                 time.sleep(0.2)
                 avoid.clear()
-            try:
-                self.replicas(refresh=True)
-            except DirectoryUnavailable:
-                pass
+            self._refresh_quietly()
         return out
 
     def _lost_items(self, items: list, results: list, given_up: set) -> list[int]:
@@ -267,10 +280,16 @@ class RoutedClient(Router):
         tried: set[str] = set()
         last_error: EnvServeError | None = None
         remaining = count
+        deadline = self.open_deadline()
         while remaining > 0:
             shares = self.plan(env_id, remaining, tried)
             if not shares:
-                break
+                if time.monotonic() >= deadline or self.listed(env_id):
+                    break  # full or refusing replicas answer at once; only an empty listing is waited out
+                time.sleep(0.2)  # no replica now (all restarting, Redis restarted empty): wait for one
+                self._refresh_quietly()
+                tried.clear()
+                continue
             calls = []
             for rid, n in shares.items():
                 r = self._known[rid]
