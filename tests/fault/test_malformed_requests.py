@@ -78,6 +78,9 @@ def _targets(server, judge):
         "Step": pb.StepRequest(items=[pb.StepItem(session_id=sid, action="<answer>Left</answer>")]),
         "Interact": pb.InteractRequest(items=[pb.InteractItem(tag=1, step=pb.StepItem(session_id=sid, action="Up"))]),
         "Fork": pb.ForkRequest(session_id=sid, count=1), "Close": pb.CloseRequest(session_ids=["nobody"]),
+        "Restore": pb.RestoreRequest(sessions=[pb.SessionHistory(
+            env_id="frozenlake", seed=3, trial=0, episode=0,
+            turns=[pb.ReplayTurn(action="<answer>Left</answer>")])]),
         "GetState": pb.GetStateRequest(session_id=sid), "ListSessions": pb.ListSessionsRequest(),
         "Judge": pb.JudgeRequest(), "GetJudgeInfo": pb.GetJudgeInfoRequest(),
     }

@@ -17,7 +17,7 @@ from . import _requests as rq
 from .aio import AsyncEnvClient, InteractStream
 from .errors import EnvServeError, UnavailableError, make_error
 from .recovery import replica_gone
-from .routing import _RETRY_ELSEWHERE, Router, _on, indices_by_replica
+from .routing import _RETRY_ELSEWHERE, Router, _on, broken_call_code, indices_by_replica
 
 
 class AsyncRoutedClient(Router):
@@ -97,9 +97,11 @@ class AsyncRoutedClient(Router):
                                        return_exceptions=True)
         for (r, indices), reply in zip(plans, replies):
             if isinstance(reply, EnvServeError):
-                gone = reply.code == grpc.StatusCode.UNAVAILABLE and not await asyncio.to_thread(
+                code = broken_call_code(reply.code)
+                gone = code == grpc.StatusCode.UNAVAILABLE and not await asyncio.to_thread(
                     self.still_listed, r.replica_id)
-                reply = [self._unreachable(sid_of(items[i]), r, reply.code, reply.message, gone) for i in indices]
+                details = reply.message if code == reply.code else f"{reply.code.name}: {reply.message}"
+                reply = [self._unreachable(sid_of(items[i]), r, code, details, gone) for i in indices]
             elif isinstance(reply, BaseException):
                 raise reply
             for i, res in zip(indices, reply):
@@ -264,6 +266,7 @@ class RoutedStream:
         except (EnvServeError, EOFError) as e:
             # The replica's stream broke: everything still in flight there fails, alone (or is rebuilt).
             code = e.code if isinstance(e, EnvServeError) else grpc.StatusCode.UNAVAILABLE
+            code = broken_call_code(code)
             gone = code == grpc.StatusCode.UNAVAILABLE and not await asyncio.to_thread(
                 self._client.still_listed, r.replica_id)
             if self._streams.get(r.replica_id) is s:

@@ -31,6 +31,19 @@ _RETRY_ELSEWHERE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUS
                     grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
+# Failures of a whole call that refuse the caller, or say the replica is slow, rather than that the
+# call broke under it.
+_REFUSALS = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT,
+             grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def broken_call_code(code: grpc.StatusCode) -> grpc.StatusCode:
+    """The code a call's items get when the call failed as a whole: a replica killed mid-call ends it
+    with whatever its transport gave (INTERNAL "Internal error from Core", CANCELLED, UNKNOWN), and
+    all of them mean the replica did not answer: UNAVAILABLE, so the sessions are rebuilt."""
+    return code if code in _REFUSALS else grpc.StatusCode.UNAVAILABLE
+
+
 def _item_failure(sid: str, code: grpc.StatusCode, message: str) -> pb.StepResult:
     return pb.StepResult(session_id=sid, status=pb.ItemStatus(code=code.value[0], message=message))
 
@@ -347,9 +360,11 @@ class RoutedClient(Router):
             except grpc.RpcError as e:
                 # The replica as a whole failed (down, or refusing the token): its items only.
                 # Unreachable and gone from the directory means dead: its sessions are lost.
-                gone = e.code() == grpc.StatusCode.UNAVAILABLE and not self.still_listed(r.replica_id)
+                code = broken_call_code(e.code())
+                gone = code == grpc.StatusCode.UNAVAILABLE and not self.still_listed(r.replica_id)
+                details = e.details() if code == e.code() else f"{e.code().name}: {e.details()}"
                 for i in indices:
-                    results[i] = self._unreachable(sid_of(items[i]), r, e.code(), e.details(), gone)
+                    results[i] = self._unreachable(sid_of(items[i]), r, code, details, gone)
                 continue
             for i, res in zip(indices, batch):
                 results[i] = res
