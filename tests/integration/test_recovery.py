@@ -22,6 +22,7 @@ GRID = ["sokoban", "frozenlake", "minesweeper"]
 MOVES = {"sokoban": ["Up", "Right", "Down", "Left"], "frozenlake": ["Right", "Down", "Left", "Up"],
          "minesweeper": ["(0, 0)", "(2, 3)", "(5, 5)", "(1, 4)", "(4, 1)", "(3, 3)"]}
 LOST = grpc.StatusCode.DATA_LOSS.value[0]
+ENDED = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 
 
 @pytest.fixture
@@ -376,3 +377,24 @@ def test_a_text_session_survives_kill_of_its_replica(redis_server, env_id):
             assert sorted(got.observation.text.splitlines()) == sorted(expected.observation.text.splitlines())
     finally:
         cluster.close()
+
+
+def test_a_redis_restart_loses_no_routing(grid_cluster, redis_server):
+    """Redis down, then back empty: known sessions keep stepping where they are (no rebuild), and
+    the replicas are listed again after their next heartbeat."""
+    with RoutedClient(grid_cluster.url, refresh_seconds=0.0) as client:
+        sids = client.open("sokoban", 9)
+        assert {replica_of(s) for s in sids} == {"rec-a", "rec-b", "rec-c"}
+        assert all(r.status.code == 0 for r in client.reset(sids, list(range(9))))
+        redis_server.stop()
+        down = client.step([(s, _answer("sokoban", 0, 0)) for s in sids])
+        assert all(r.status.code in (0, ENDED) for r in down), [r.status for r in down]
+        redis_server.start()  # empty until each replica's next heartbeat
+        client.replicas(refresh=True)  # as an Open would: the listing the client routes by is (nearly) empty
+        for t in range(1, 6):
+            results = client.step([(s, _answer("sokoban", 0, t)) for s in sids])
+            # (an episode that ended answers FAILED_PRECONDITION; none may be lost or unreachable)
+            assert all(r.status.code in (0, ENDED) for r in results), [r.status for r in results]
+        assert client.sessions.recovered == 0
+        grid_cluster.wait_listed(["rec-a", "rec-b", "rec-c"])
+        assert {replica_of(s) for s in client.open("sokoban", 3)} <= {"rec-a", "rec-b", "rec-c"}

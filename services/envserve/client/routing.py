@@ -87,6 +87,7 @@ class Router:
         self.max_open_per_call = max_open_per_call
         self._lock = threading.Lock()
         self._known: dict[str, ReplicaInfo] = {}
+        self._seen: dict[str, ReplicaInfo] = {}  # every replica listed so far, as last listed
         self._fetched = 0.0
         self._opened_since_fetch: dict[str, int] = {}
         self._clients: dict[tuple[str, str], EnvClient] = {}
@@ -107,6 +108,7 @@ class Router:
             else:
                 with self._lock:
                     self._known = {r.replica_id: r for r in found}
+                    self._seen.update(self._known)
                     self._fetched = time.monotonic()
                     self._opened_since_fetch.clear()
         return [r for r in self._known.values() if env_id is None or env_id in r.envs]
@@ -141,14 +143,17 @@ class Router:
             return c
 
     def _replica_for(self, session_id: str) -> ReplicaInfo | None:
+        """Where a session's replica is: as listed now, else as last listed. A replica missing from
+        the listing may be alive (Redis restarted empty, its next heartbeat not yet written): calls
+        still go there, and one that fails finds it gone (still_listed)."""
         rid = replica_of(session_id)
         r = self._known.get(rid)
         if r is None:
             try:
                 self.replicas(refresh=True)
             except DirectoryUnavailable:
-                return None
-            r = self._known.get(rid)
+                pass
+            r = self._known.get(rid) or self._seen.get(rid)
         return r
 
     # -- opening: least loaded first ------------------------------------------------------------
