@@ -19,6 +19,8 @@ def _server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--lease-seconds", type=float, default=300.0)
     p.add_argument("--metrics-port", type=int, default=-1, help="Prometheus port (-1: off, 0: any free port)")
     p.add_argument("--drain-timeout", type=float, default=60.0)
+    p.add_argument("--no-migrate-on-drain", dest="migrate_on_drain", action="store_false",
+                   help="on SIGTERM, leave live sessions to end with this replica instead of moving them")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
     p.add_argument("--replica-id", default=os.environ.get("ENVSERVE_REPLICA_ID", ""))
     # Containers and pods set these through the environment.
@@ -47,7 +49,8 @@ def _config(args, env_ids):
                         inline=args.inline,
                         max_sessions=args.max_sessions, lease_seconds=args.lease_seconds,
                         metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-                        drain_timeout_seconds=args.drain_timeout, replica_id=args.replica_id,
+                        drain_timeout_seconds=args.drain_timeout, migrate_on_drain=args.migrate_on_drain,
+                        replica_id=args.replica_id,
                         directory_url=args.directory, advertise_address=args.advertise,
                         external_address=args.external_address, heartbeat_seconds=args.heartbeat_seconds,
                         tokens=read_tokens(args.token_file, os.environ.get("ENVSERVE_TOKENS", "")),

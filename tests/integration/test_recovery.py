@@ -398,3 +398,34 @@ def test_a_redis_restart_loses_no_routing(grid_cluster, redis_server):
         assert client.sessions.recovered == 0
         grid_cluster.wait_listed(["rec-a", "rec-b", "rec-c"])
         assert {replica_of(s) for s in client.open("sokoban", 3)} <= {"rec-a", "rec-b", "rec-c"}
+
+
+def test_a_draining_replica_moves_its_sessions_and_clients_follow(grid_cluster):
+    """SIGTERM: the replica rebuilds its live sessions on the others (Restore, from the histories
+    its workers keep), records the moves in the directory and stops. Any client can follow the
+    record; a routed client does it by itself, without replaying."""
+    with RoutedClient(grid_cluster.url) as client, RoutedClient(grid_cluster.url) as ref:
+        sids, ref_sids = client.open("frozenlake", 12), ref.open("frozenlake", 12)
+        for c, ss in ((client, sids), (ref, ref_sids)):
+            assert all(r.status.code == 0 for r in c.reset(ss, list(range(60, 72))))
+            for t in range(3):
+                c.step([(s, _answer("frozenlake", 60 + i, t)) for i, s in enumerate(ss)])
+        victim = replica_of(sids[0])
+        on_victim = [s for s in sids if replica_of(s) == victim]
+        proc = grid_cluster.replicas[victim].proc
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        directory = open_directory(grid_cluster.url)
+        moved = {s: directory.moved_to(s) for s in on_victim}
+        directory.close()
+        assert all(moved.values()) and all(replica_of(m) != victim for m in moved.values())
+        # A plain client (any language) reads the new id and goes on there.
+        new = moved[on_victim[0]]
+        home = grid_cluster.replicas[replica_of(new)]
+        with EnvClient(home.address) as plain:
+            assert plain.get_state(new).anchor == client.get_state(on_victim[0]).anchor
+        got = client.step([(s, _answer("frozenlake", 60 + i, 3)) for i, s in enumerate(sids)])
+        expected = ref.step([(s, _answer("frozenlake", 60 + i, 3)) for i, s in enumerate(ref_sids)])
+        assert [r.session_id for r in got] == sids
+        assert [_view(r) for r in got] == [_view(r) for r in expected]
+        assert {s: client.sessions.current(s) for s in on_victim} == moved  # followed, not replayed

@@ -31,6 +31,9 @@ _RETRY_ELSEWHERE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUS
                     grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
+# How long a recovery waits for a draining replica to move a session before rebuilding it itself.
+DRAIN_MOVE_WAIT = 10.0
+
 # Failures of a whole call that refuse the caller, or say the replica is slow, rather than that the
 # call broke under it.
 _REFUSALS = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT,
@@ -212,7 +215,7 @@ class Router:
         table = self.sessions
         out: dict[str, "str | pb.StepResult"] = {}
         pending = []
-        for sid in dict.fromkeys(session_ids):
+        for sid in self._follow_moves(dict.fromkeys(session_ids), out):
             why = table.why_not(sid)
             if why:
                 out[sid] = lost_result(sid, why)
@@ -265,6 +268,36 @@ class Router:
                 avoid.clear()
             self._refresh_quietly()
         return out
+
+    def _follow_moves(self, session_ids, out: dict) -> list[str]:
+        """Sessions a draining replica moved (recorded in the directory) now answer under their new
+        ids: noted in `out`. Those of a replica still draining are waited for while it moves them
+        (up to DRAIN_MOVE_WAIT s). Returns the sessions left to rebuild from their histories."""
+        self._refresh_quietly()
+        left = []
+        deadline = time.monotonic() + DRAIN_MOVE_WAIT
+        waiting = list(session_ids)
+        while waiting:
+            still = []
+            for sid in waiting:
+                real = self.sessions.current(sid)
+                try:
+                    new = self.directory.moved_to(real)
+                except DirectoryUnavailable:
+                    new = None
+                if new:
+                    self.sessions.moved(sid, new)
+                    out[sid] = new
+                elif (r := self._known.get(replica_of(real))) is not None and r.draining:
+                    still.append(sid)
+                else:
+                    left.append(sid)
+            if not still or time.monotonic() >= deadline:
+                return left + still
+            time.sleep(0.1)
+            self._refresh_quietly()
+            waiting = still
+        return left
 
     def _lost_items(self, items: list, results: list, given_up: set) -> list[int]:
         """Positions of the items whose session was lost and may be rebuilt."""

@@ -329,6 +329,16 @@ class Session:
                 blob["env_snapshot"] = snap
         return blob
 
+    def replay_record(self) -> dict:
+        """What Session.restore needs to rebuild this session elsewhere: its reset arguments and
+        the current episode's actions, with the anchors the kept history still holds."""
+        kept = {r["turn"]: r["anchor"] for r in self.history
+                if r.get("trial", 0) == self.trial and r["episode"] == self.episode}
+        return {"env_id": self.env_id, "config": dict(self.config), "action_format": self.action_format,
+                "seed": self.seed, "trial": self.trial, "episode": self.episode, "reset_anchor": kept.get(0, ""),
+                "actions": list(self.replay_log),
+                "anchors": [kept.get(t + 1, "") for t in range(len(self.replay_log))]}
+
     @classmethod
     def from_blob(cls, blob: dict) -> "Session":
         s = cls(blob["env_id"], blob["config"], blob["action_format"])

@@ -73,6 +73,14 @@ class Directory(ABC):
         """The live replica holding a session, or None when that replica is gone."""
         return self.get(replica_of(session_id))
 
+    @abstractmethod
+    def record_moves(self, moves: "dict[str, str]", ttl_seconds: float) -> None:
+        """A draining replica moved these sessions (old id -> new id); kept ttl_seconds."""
+
+    @abstractmethod
+    def moved_to(self, session_id: str) -> str | None:
+        """The id a session was moved to by a draining replica, or None."""
+
     def close(self) -> None:
         pass
 

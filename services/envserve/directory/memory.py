@@ -11,6 +11,7 @@ class MemoryDirectory(Directory):
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._replicas: dict[str, tuple[ReplicaInfo, float]] = {}  # id -> (info, expires monotonic)
+        self._moves: dict[str, tuple[str, float]] = {}  # old session id -> (new id, expires monotonic)
 
     def heartbeat(self, info: ReplicaInfo, ttl_seconds: float) -> None:
         info.heartbeat_unix = time.time()
@@ -28,6 +29,20 @@ class MemoryDirectory(Directory):
                 del self._replicas[rid]
             found = [info for info, _ in self._replicas.values()]
         return [r for r in found if env_id is None or env_id in r.envs]
+
+
+    def record_moves(self, moves: dict[str, str], ttl_seconds: float) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for old, (_, exp) in list(self._moves.items()):
+                if exp <= now:
+                    del self._moves[old]
+            self._moves.update((old, (new, now + ttl_seconds)) for old, new in moves.items())
+
+    def moved_to(self, session_id: str) -> str | None:
+        with self._lock:
+            found = self._moves.get(session_id)
+        return found[0] if found is not None and found[1] > time.monotonic() else None
 
 
 _shared: dict[str, MemoryDirectory] = {}

@@ -1,8 +1,10 @@
 """Redis directory. Keys (under a prefix, default `envserve`):
   {p}:replica:{id}  the ReplicaInfo JSON, expiring ttl after the last heartbeat
   {p}:replicas      a sorted set of replica ids scored by expiry time, the index to read them by
-The per-replica key's TTL is the truth; the index is pruned as entries expire. Nothing is stored
-that heartbeats do not rewrite, so a restarted (empty) Redis is whole again after one period.
+  {p}:moved:{session id}  the id a draining replica moved that session to, expiring after a lease
+The per-replica key's TTL is the truth; the index is pruned as entries expire. Nothing else is
+stored that heartbeats do not rewrite, so a restarted (empty) Redis is whole again after one period
+(a move record lost with it leaves its client to rebuild the session from its own history).
 """
 from __future__ import annotations
 
@@ -82,6 +84,23 @@ class RedisDirectory(Directory):
         except redis.RedisError as e:
             raise DirectoryUnavailable(f"redis: {e}") from e
         return ReplicaInfo.from_json(v) if v is not None else None
+
+    def record_moves(self, moves: dict[str, str], ttl_seconds: float) -> None:
+        ttl_ms = max(1, int(ttl_seconds * 1000))
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for old, new in moves.items():
+                pipe.set(f"{self.prefix}:moved:{old}", new, px=ttl_ms)
+            pipe.execute()
+        except redis.RedisError as e:
+            raise DirectoryUnavailable(f"redis: {e}") from e
+
+    def moved_to(self, session_id: str) -> str | None:
+        try:
+            v = self.client.get(f"{self.prefix}:moved:{session_id}")
+        except redis.RedisError as e:
+            raise DirectoryUnavailable(f"redis: {e}") from e
+        return v.decode() if v is not None else None
 
     def close(self) -> None:
         self.client.close()

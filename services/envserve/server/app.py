@@ -137,11 +137,37 @@ class ReplicaServer:
         self.replica.draining = True
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        deadline = time.monotonic() + self.config.drain_timeout_seconds
         if self.directory is not None:
             await self._beat()  # clients stop opening sessions here at once
         finished = await self.replica.wait_idle(self.config.drain_timeout_seconds)
-        log.info("drained (%s); stopping", "all calls finished" if finished else "timed out")
+        log.info("drained (%s)", "all calls finished" if finished else "timed out")
+        if self.config.migrate_on_drain and self.replica.sessions and deadline - time.monotonic() > 0.5:
+            await self._move_sessions(deadline)
         await self.stop()
+
+    async def _move_sessions(self, deadline: float) -> None:
+        """Moves the live sessions to the other replicas in the directory, and records where each
+        went there, so that clients follow. Sessions of a replica with tokens or TLS stay (a moved
+        session would belong to another token; the other replicas' names are not in this one's
+        certificate): their clients rebuild them from their own histories."""
+        if self.config.tokens or self.config.tls_cert_file:
+            log.info("drain: %d sessions not moved (tokens or TLS)", len(self.replica.sessions))
+            return
+        try:
+            targets = await asyncio.to_thread(self.directory.replicas)
+        except DirectoryUnavailable as e:
+            log.warning("drain: no directory to move sessions through: %s", e)
+            return
+        moves, stayed = await self.replica.migrate(targets, deadline - time.monotonic())
+        if moves:
+            try:
+                await asyncio.to_thread(self.directory.record_moves, moves, self.config.lease_seconds)
+            except DirectoryUnavailable as e:
+                log.warning("drain: moves not recorded (clients rebuild from their histories): %s", e)
+        await self.replica.finish_moves(moves)
+        self.metrics.sessions_moved.inc(len(moves))
+        log.info("drain: moved %d sessions to other replicas, %d stay and end with this one", len(moves), stayed)
 
     async def stop(self) -> None:
         if self._heartbeat is not None:

@@ -23,6 +23,9 @@ class ServerConfig:
     metrics_port: int = -1  # -1: no metrics endpoint; 0: a free port
     metrics_host: str = "127.0.0.1"
     drain_timeout_seconds: float = 60.0
+    # On drain, move live sessions to other replicas in the directory (replayed there by Restore)
+    # and record the moves, so clients follow; within the drain timeout.
+    migrate_on_drain: bool = True
     # Lost sessions answer 'session lost' for this long, then 'unknown session'.
     lost_memory_seconds: float = 3600.0
     max_message_bytes: int = 64 * 1024 * 1024

@@ -71,6 +71,17 @@ def spec_to_proto(spec: EnvSpec) -> pb.EnvSpec:
     )
 
 
+def history_to_proto(h: dict) -> pb.SessionHistory:
+    """Session.replay_record() as the SessionHistory a Restore call carries."""
+    msg = pb.SessionHistory(env_id=h["env_id"], action_format=h["action_format"], trial=h["trial"],
+                            episode=h["episode"], reset_anchor=h["reset_anchor"],
+                            turns=[pb.ReplayTurn(action=a, anchor=n) for a, n in zip(h["actions"], h["anchors"])])
+    msg.config.CopyFrom(to_struct(h["config"]))
+    if h["seed"] is not None:
+        msg.seed = int(h["seed"])
+    return msg
+
+
 def history_from_proto(h: pb.SessionHistory) -> dict:
     """A SessionHistory as the keyword values of Session.restore (picklable, for a worker)."""
     from google.protobuf import json_format

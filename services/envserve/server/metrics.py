@@ -59,6 +59,8 @@ class Metrics(MetricsEndpoint):
                               registry=self.registry)
         self.sessions_lost = Counter("envserve_sessions_lost_total", "Sessions lost with their worker",
                                      registry=self.registry)
+        self.sessions_moved = Counter("envserve_sessions_moved_total",
+                                      "Sessions a drain moved to other replicas", registry=self.registry)
         self.sessions_reaped = Counter("envserve_sessions_reaped_total", "Sessions closed when their lease expired",
                                        registry=self.registry)
 

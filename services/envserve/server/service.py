@@ -48,6 +48,10 @@ class Replica:
         self.auth = Authenticator(config.tokens, config.state_tokens)
         self.sessions: dict[str, SessionRecord] = {}
         self.lost: dict[str, tuple[str, float]] = {}
+        # Sessions a drain moved to other replicas: old id -> new id. While they move, their calls
+        # answer UNAVAILABLE (a step now would be lost in the copy); after, NOT_FOUND naming the new id.
+        self.moved: dict[str, str] = {}
+        self.moving = False
         self.pool = WorkerPool(config.resolved_workers(), self.env_ids, self._on_worker_death, inline=config.inline)
         self.draining = False
         self.in_flight = 0
@@ -90,11 +94,15 @@ class Replica:
         """The session's record, or an error (code, message). Any lookup renews the lease.
         owner None may see every session (a state token); otherwise it must match the opener."""
         rec = self.sessions.get(sid)
+        if rec is not None and self.moving:
+            return None, "UNAVAILABLE", "replica is draining: the session is moving to another replica"
         if rec is not None:
             if owner is not None and rec.owner != owner:
                 return None, "PERMISSION_DENIED", f"session {sid!r} belongs to another token"
             rec.deadline = time.monotonic() + self.config.lease_seconds
             return rec, "", ""
+        if sid in self.moved:
+            return None, "NOT_FOUND", f"session moved to {self.moved[sid]} (this replica drained)"
         if sid in self.lost:
             return None, LOST, f"session lost: {self.lost[sid][0]}"
         return None, "NOT_FOUND", f"unknown session {sid!r} (closed, expired or never opened)"
@@ -178,6 +186,63 @@ class Replica:
             if isinstance(r, Exception) and not isinstance(r, WorkerLost):
                 log.warning("close failed: %s", r)
         return statuses
+
+    # -- drain: move the live sessions to other replicas ---------------------------------------
+    async def migrate(self, targets: list, timeout: float, metadata: tuple = ()) -> tuple[dict[str, str], int]:
+        """Rebuilds every live session on the other replicas in `targets` (ReplicaInfo, not
+        draining, serving its env; least loaded first) with Restore, from the history each worker
+        keeps. Returns (old id -> new id, sessions not moved); the moved ones leave this replica."""
+        deadline = time.monotonic() + timeout
+        self.moving = True
+        by_worker: dict[int, tuple[WorkerHandle, list[str]]] = {}
+        for sid, rec in self.sessions.items():
+            by_worker.setdefault(rec.worker.slot, (rec.worker, []))[1].append(sid)
+        replies = await asyncio.gather(*[self.pool.call(w, "histories", sids) for w, sids in by_worker.values()],
+                                       return_exceptions=True)
+        by_env: dict[str, list[tuple[str, pb.SessionHistory]]] = {}
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                continue  # that worker died: its sessions are lost, as without a drain
+            for sid, h in reply:
+                if h is not None and sid in self.sessions:
+                    by_env.setdefault(h["env_id"], []).append((sid, convert.history_to_proto(h)))
+        moves: dict[str, str] = {}
+        for env_id, items in by_env.items():
+            load = {t.replica_id: t.live_sessions for t in targets
+                    if env_id in t.envs and not t.draining and t.replica_id != self.replica_id}
+            info = {t.replica_id: t for t in targets}
+            while items and load and time.monotonic() < deadline:
+                rid = min(load, key=lambda i: load[i] / max(1, info[i].capacity))
+                room = max(0, info[rid].capacity - load[rid])
+                batch, items = items[:max(1, min(room, 256))], items[max(1, min(room, 256)):]
+                try:
+                    async with grpc.aio.insecure_channel(info[rid].address) as channel:
+                        reply = await pb_grpc.EnvServiceStub(channel).Restore(
+                            pb.RestoreRequest(sessions=[h for _, h in batch]), metadata=metadata,
+                            timeout=max(0.1, deadline - time.monotonic()))
+                except grpc.RpcError as e:
+                    log.warning("moving sessions to %s failed: %s", rid, e.details())
+                    del load[rid]
+                    items = batch + items
+                    continue
+                for (sid, _), got in zip(batch, reply.sessions):
+                    if got.status.code == OK:
+                        moves[sid] = got.session_id
+                load[rid] += len(batch)
+        return moves, len(self.sessions) - len(moves)
+
+    async def finish_moves(self, moves: dict[str, str]) -> None:
+        """After the moves are recorded in the directory: the moved sessions leave this replica
+        (their calls answer NOT_FOUND naming the new id), the rest answer again until the stop."""
+        self.moved.update(moves)
+        by_worker: dict[int, tuple[WorkerHandle, list[str]]] = {}
+        for sid in moves:
+            rec = self.drop_session(sid)
+            if rec is not None:
+                by_worker.setdefault(rec.worker.slot, (rec.worker, []))[1].append(sid)
+        self.moving = False
+        await asyncio.gather(*[self.pool.call(w, "close", sids) for w, sids in by_worker.values()],
+                             return_exceptions=True)
 
     # -- batches --------------------------------------------------------------------------
     def route(self, items: list[tuple], owner: str = "") -> tuple[list, dict]:

@@ -119,6 +119,10 @@ class Worker:
             return ("error", "INTERNAL", f"fork failed: {type(e).__name__}: {e}")
         return ("ok",)
 
+    def op_histories(self, sids):
+        """[(sid, Session.replay_record() or None when the session is not here)]."""
+        return [(sid, s.replay_record() if (s := self.sessions.get(sid)) is not None else None) for sid in sids]
+
     def op_restore(self, items):
         """[(sid, history)] -> [("ok", anchor) or ("error", code, message)], one per item: each
         session rebuilt by replaying its history (Session.restore); one failing fails alone."""
