@@ -128,16 +128,46 @@ class InteractStream:
 
     async def __aexit__(self, *exc) -> None:
         self._closing = True
-        if exc[0] is None and not self.in_flight and not self._reopen:
-            try:
-                await self._call.done_writing()  # half-close: the server ends the call
-            except (grpc.RpcError, asyncio.InvalidStateError):
-                pass  # the call already ended; nothing is waiting on it
-        else:
-            self._call.cancel()
-        for task in (self._writer, self._reader):
-            if task is not None:
-                task.cancel()
+        try:
+            if exc[0] is None and not self.in_flight and not self._reopen:
+                await self._half_close()
+            else:
+                await self._abort()
+        finally:
+            # Also when the half-close itself is cancelled: no task is left on the call.
+            for task in (self._writer, self._reader):
+                if task is not None:
+                    task.cancel()
+
+    async def _half_close(self) -> None:
+        """Tells the server nothing more comes, so it ends the call. The call may be ending under
+        the half-close: gRPC cancels it when a task awaiting one of its reads is cancelled (a recv()
+        task cancelled just before the close, as a routed stream's readers are), and grpc.aio then
+        fails done_writing() with its core's batch error (ExecuteBatchError, an InternalError, not
+        an RpcError: unlike write(), done_writing() does not turn it into the call's status).
+        Nothing waits on the call any more, so either way it is over."""
+        call = self._call
+        try:
+            await call.done_writing()
+        except (grpc.RpcError, grpc.aio.InternalError):
+            call.cancel()  # a no-op on a call that ended; ends one the half-close could not
+
+    async def _abort(self) -> None:
+        """Cancels the call; its callers still waiting get EOFError. A lone caller's write first
+        waits for the call to start (grpc.aio's write() awaits the initial metadata being sent),
+        and a call cancelled before it started never releases that wait: the call starts first."""
+        call = self._call
+        try:
+            if self._alone is not None:
+                await call.wait_for_connection()
+        except grpc.RpcError:
+            pass  # the call ended: its callers learn why from it
+        except asyncio.CancelledError:
+            if _task_cancelled():
+                raise
+            # cancelled under the wait (a lone caller cancelled in its write): over already
+        finally:
+            call.cancel()
 
     def _live_call(self):
         if self._reopen:
@@ -170,6 +200,10 @@ class InteractStream:
                 await self._live_call().write(pb.InteractRequest(items=items))
         except (grpc.RpcError, asyncio.InvalidStateError):
             pass  # the call broke: its reader (recv, or the reader task) reports why
+        except asyncio.CancelledError:
+            if _task_cancelled():
+                raise
+            # The call was cancelled under the write (the stream closed): the reader reports it.
         finally:
             self._writer = None
 
@@ -195,6 +229,10 @@ class InteractStream:
             resp = await self._live_call().read()
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
+        except asyncio.CancelledError:
+            if _task_cancelled():
+                raise
+            raise EOFError("Interact stream closed") from None
         if resp is grpc.aio.EOF:
             raise EOFError("Interact stream ended")
         self.in_flight -= len(resp.results)
@@ -240,6 +278,8 @@ class InteractStream:
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         except asyncio.CancelledError:
+            if not _task_cancelled():
+                raise EOFError("Interact stream closed") from None  # the call was cancelled, not the caller
             self._reopen = True  # gRPC cancelled the call with this task; only this item was on it
             raise
         finally:
@@ -265,10 +305,19 @@ class InteractStream:
             error = from_rpc_error(e)
         except asyncio.CancelledError:
             error = EOFError("Interact stream closed")
-            raise
+            if _task_cancelled():
+                raise
         finally:
             # Callers still waiting learn why instead of waiting forever.
             for fut in self._waiters.values():
                 if not fut.done():
                     fut.set_exception(error)
             self._waiters.clear()
+
+
+def _task_cancelled() -> bool:
+    """Whether the running task is being cancelled. grpc.aio raises CancelledError from a read or
+    write on a call cancelled locally (by the stream's close, say) in tasks nobody cancelled; those
+    callers get EOFError instead. Before Python 3.11 the two cannot be told apart: assumed cancelled."""
+    cancelling = getattr(asyncio.current_task(), "cancelling", None)
+    return cancelling is None or cancelling() > 0
