@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from typing import Any, Mapping
 
 import grpc
@@ -30,11 +31,14 @@ LOSS_CODES = frozenset({grpc.StatusCode.DATA_LOSS.value[0], grpc.StatusCode.UNAV
 class RecoverySettings:
     """enabled: rebuild lost sessions (on by default). max_turns: the longest episode kept for
     replay; a session stepped further is lost with its replica as before. timeout_seconds: how long
-    a recovery waits for a live replica (one coming back on its address counts)."""
+    a recovery waits for a live replica (one coming back on its address counts). forget_seconds:
+    the history of a session not called for this long is dropped (a session left open, as the
+    replica's lease reclaims it; the replica's default lease is 300 s)."""
     enabled: bool = True
     max_turns: int = 4096
     timeout_seconds: float = 60.0
     attempts: int = 3
+    forget_seconds: float = 3600.0
 
 
 @dataclasses.dataclass
@@ -51,6 +55,7 @@ class SessionLog:
     anchors: list = dataclasses.field(default_factory=list)
     # Set when the episode grew past max_turns: the turns are dropped and recovery refused.
     too_long: bool = False
+    used: float = dataclasses.field(default_factory=time.monotonic)
 
     def copy(self) -> "SessionLog":
         return dataclasses.replace(self, actions=list(self.actions), anchors=list(self.anchors))
@@ -76,6 +81,7 @@ class SessionTable:
         self._current: dict[str, str] = {}   # caller's id -> the id on a replica now (when moved)
         self._caller: dict[str, str] = {}    # the id on a replica -> caller's id (when moved)
         self.recovered = 0
+        self._opened = 0  # opens since the last sweep of idle histories
 
     @property
     def enabled(self) -> bool:
@@ -103,6 +109,10 @@ class SessionTable:
     def log(self, sid: str) -> SessionLog | None:
         return self._logs.get(sid)
 
+    def __len__(self) -> int:
+        """Sessions whose histories are kept."""
+        return len(self._logs)
+
     # -- what the clients report -------------------------------------------------------------------
     def opened(self, ids, env_id: str, config: Mapping[str, Any] | None, action_format: str) -> None:
         if not self.enabled:
@@ -111,6 +121,19 @@ class SessionTable:
         with self._lock:
             for sid in ids:
                 self._logs[sid] = SessionLog(env_id, cfg, action_format)
+            self._opened += len(ids)
+            if self._opened >= 1024:
+                self._opened = 0
+                self._forget_idle()
+
+    def _forget_idle(self) -> None:
+        # Sessions left open (never closed) would keep their histories forever.
+        cutoff = time.monotonic() - self.settings.forget_seconds
+        for sid in [sid for sid, log in self._logs.items() if log.used < cutoff]:
+            del self._logs[sid]
+            real = self._current.pop(sid, None)
+            if real is not None:
+                self._caller.pop(real, None)
 
     def forked(self, parent: str, children) -> None:
         log = self._logs.get(parent)
@@ -137,6 +160,7 @@ class SessionTable:
             log.seed = int(seed.number_value)
         log.trial, log.episode, log.reset_anchor = result.trial, result.episode, result.anchor
         log.actions, log.anchors, log.too_long = [], [], False
+        log.used = time.monotonic()
 
     def record_step(self, sid: str, action: str, result: pb.StepResult) -> None:
         log = self._logs.get(sid)
@@ -147,6 +171,7 @@ class SessionTable:
             return
         log.actions.append(action)
         log.anchors.append(result.anchor)
+        log.used = time.monotonic()
 
     def answer(self, sid: str, result: pb.StepResult, action: str | None) -> pb.StepResult:
         """Record a result of caller's session `sid` (action None: a reset) and show it under sid."""
