@@ -157,6 +157,8 @@ class AsyncRoutedClient(Router):
         try:
             return await call(real)
         except EnvServeError as e:
+            if e.code == grpc.StatusCode.UNAVAILABLE and await asyncio.to_thread(self.moved_address, real):
+                return await self._with_recovery(session_id, call)
             if not table.recoverable(session_id, e.code.value[0]):
                 raise
             avoid = {replica_of(real)} if e.code == grpc.StatusCode.UNAVAILABLE else set()

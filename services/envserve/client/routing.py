@@ -299,6 +299,15 @@ class Router:
             waiting = still
         return left
 
+    def moved_address(self, session_id: str) -> bool:
+        """After a call to a session's replica failed UNAVAILABLE: whether the directory now lists
+        that replica at another address (restarted under its id elsewhere), so the call may go again."""
+        rid = replica_of(session_id)
+        before = self._known.get(rid) or self._seen.get(rid)
+        self._refresh_quietly()
+        after = self._known.get(rid)
+        return before is not None and after is not None and self.address(after) != self.address(before)
+
     def _lost_items(self, items: list, results: list, given_up: set) -> list[int]:
         """Positions of the items whose session was lost and may be rebuilt."""
         table = self.sessions
@@ -452,6 +461,8 @@ class RoutedClient(Router):
         try:
             return call(real)
         except EnvServeError as e:
+            if e.code == grpc.StatusCode.UNAVAILABLE and self.moved_address(real):
+                return self._with_recovery(session_id, call)
             if not table.recoverable(session_id, e.code.value[0]):
                 raise
             avoid = {replica_of(real)} if e.code == grpc.StatusCode.UNAVAILABLE else set()
