@@ -5,6 +5,10 @@ trajectory (observation texts, rewards, flags, anchors, counters) is hashed; the
 are compared episode by episode. One JSON line.
 
     .venv/bin/python bench/chaos.py --episodes 10000 --kill-every 60 --redis-restarts 2 --json
+    .venv/bin/python bench/chaos.py --episodes 10000 --text webshop=300,alfworld=60 --json
+
+--text adds episodes of text envs (their actions chosen among the listed valid actions), played in
+the same batches as the grid games.
 """
 from __future__ import annotations
 
@@ -24,20 +28,20 @@ from serverproc import RedisProcess, ServerProcess  # noqa: E402
 from envserve.client import RoutedClient  # noqa: E402
 from envserve.client.experts import plain_answer  # noqa: E402
 
-ENVS = ["sokoban", "frozenlake", "minesweeper"]
+GRID = ["sokoban", "frozenlake", "minesweeper"]
 MOVES = {"sokoban": ["Up", "Right", "Down", "Left"], "frozenlake": ["Right", "Down", "Left", "Up"],
          "minesweeper": ["(0, 0)", "(2, 3)", "(5, 5)", "(1, 4)", "(4, 1)", "(3, 3)"]}
 
 
 class Replicas:
-    def __init__(self, url: str, n: int, heartbeat: float):
-        self.url, self.heartbeat = url, heartbeat
+    def __init__(self, url: str, n: int, heartbeat: float, envs: list[str]):
+        self.url, self.heartbeat, self.envs = url, heartbeat, envs
         self.procs = {f"chaos-{i}": None for i in range(n)}
         for rid in self.procs:
             self.start(rid)
 
     def start(self, rid: str) -> None:
-        self.procs[rid] = ServerProcess(ENVS, workers=1, metrics=False, extra=[
+        self.procs[rid] = ServerProcess(self.envs, workers=1, metrics=False, extra=[
             "--directory", self.url, "--heartbeat-seconds", str(self.heartbeat), "--replica-id", rid])
 
     def close(self) -> None:
@@ -54,19 +58,31 @@ def _view(r) -> list:
             r.turn, r.episode, r.trial, r.action_valid]
 
 
-def play(url: str, episodes: int, batch: int, turns: int) -> tuple[dict, dict]:
-    """Episode i is (ENVS[i % 3], seed i), played with actions from (seed, turn). {i: digest}."""
+def _action(env_id: str, i: int, t: int, last) -> str:
+    if env_id in MOVES:
+        moves = MOVES[env_id]
+        return plain_answer("free_think", [moves[(i + t) % len(moves)]])
+    valid = list(last.info["valid_actions"]) if "valid_actions" in last.info else []
+    return f"<answer>{valid[(3 * t + i) % len(valid)] if valid else 'look'}</answer>"
+
+
+def play(url: str, plan: list[str], batch: int, turns: int) -> tuple[dict, dict]:
+    """Episode i is (plan[i], seed i), played with actions from (i, turn) and what the env lists
+    as valid. {i: digest}."""
     digests: dict[int, str] = {}
     with RoutedClient(url, refresh_seconds=0.25) as client:
-        for start in range(0, episodes, batch):
-            idx = list(range(start, min(episodes, start + batch)))
-            sids = [client.open(ENVS[i % 3], 1)[0] for i in idx]
-            views = {i: [_view(r)] for i, r in zip(idx, client.reset(sids, idx))}
+        for start in range(0, len(plan), batch):
+            idx = list(range(start, min(len(plan), start + batch)))
+            sids = [client.open(plan[i], 1, None if plan[i] in MOVES else {"include_valid_actions": True},
+                                "free_think" if plan[i] in MOVES else "no_think")[0] for i in idx]
+            last = dict(zip(idx, client.reset(sids, idx)))
+            views = {i: [_view(r)] for i, r in last.items()}
             for t in range(turns):
-                moves = [MOVES[ENVS[i % 3]][(i + t) % len(MOVES[ENVS[i % 3]])] for i in idx]
-                for i, r in zip(idx, client.step([(s, plain_answer("free_think", [m]))
-                                                   for s, m in zip(sids, moves)])):
+                actions = [(s, _action(plan[i], i, t, last[i])) for i, s in zip(idx, sids)]
+                for i, r in zip(idx, client.step(actions)):
                     views[i].append(_view(r))
+                    if r.status.code == 0:
+                        last[i] = r
             client.close_sessions(sids)
             digests.update({i: _digest(v) for i, v in views.items()})
         stats = {"recovered": client.sessions.recovered}
@@ -83,14 +99,21 @@ def main() -> None:
     ap.add_argument("--redis-restarts", type=int, default=2)
     ap.add_argument("--heartbeat", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--text", default="", help="text env episodes beside the grid ones: webshop=300,alfworld=60")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
+    text = {k: int(v) for k, v in (x.split("=") for x in args.text.split(",") if x)}
+    plan = [GRID[i % 3] for i in range(args.episodes)]
+    for env_id, n in text.items():  # spread through the run, so faults hit them too
+        step = max(1, len(plan) // max(1, n))
+        for k in range(n):
+            plan.insert(min(len(plan), k * (step + 1)), env_id)
     redis = RedisProcess()
-    replicas = Replicas(redis.url, args.replicas, args.heartbeat)
+    replicas = Replicas(redis.url, args.replicas, args.heartbeat, GRID + list(text))
     try:
         t0 = time.monotonic()
-        reference, _ = play(redis.url, args.episodes, args.batch, args.turns)
+        reference, _ = play(redis.url, plan, args.batch, args.turns)
         clean_s = time.monotonic() - t0
 
         stop = threading.Event()
@@ -98,12 +121,13 @@ def main() -> None:
 
         def chaos():
             rng = random.Random(args.seed)
-            redis_at = [clean_s * (k + 1) / (args.redis_restarts + 1) for k in range(args.redis_restarts)]
+            # Redis restarts halfway between kills, the first ones of the run.
             started = time.monotonic()
+            redis_at = [started + args.kill_every * (k + 0.5) for k in range(args.redis_restarts)]
             next_kill = started + args.kill_every
             while not stop.wait(0.05):
                 now = time.monotonic()
-                if redis_at and now - started >= redis_at[0]:
+                if redis_at and now >= redis_at[0]:
                     redis_at.pop(0)
                     redis.restart()
                     faults["redis_restarts"] += 1
@@ -116,17 +140,18 @@ def main() -> None:
         thread = threading.Thread(target=chaos, daemon=True)
         t1 = time.monotonic()
         thread.start()
-        faulted, stats = play(redis.url, args.episodes, args.batch, args.turns)
+        faulted, stats = play(redis.url, plan, args.batch, args.turns)
         stop.set()
         thread.join()
         chaos_s = time.monotonic() - t1
         equal = sum(reference[i] == faulted.get(i) for i in reference)
-        out = {"episodes": args.episodes, "replicas": args.replicas, "kill_every_s": args.kill_every,
+        per_env = {e: sum(1 for p in plan if p == e) for e in dict.fromkeys(plan)}
+        out = {"episodes": len(plan), "per_env": per_env, "replicas": args.replicas, "kill_every_s": args.kill_every,
                **faults, "recovered_sessions": stats["recovered"], "completed": len(faulted),
-               "equal_to_fault_free": equal, "lost_or_different": args.episodes - equal,
+               "equal_to_fault_free": equal, "lost_or_different": len(plan) - equal,
                "fault_free_s": round(clean_s, 1), "chaos_s": round(chaos_s, 1)}
         print(json.dumps(out) if args.json else "\n".join(f"{k}: {v}" for k, v in out.items()))
-        sys.exit(0 if equal == args.episodes else 1)
+        sys.exit(0 if equal == len(plan) else 1)
     finally:
         replicas.close()
         redis.stop()
