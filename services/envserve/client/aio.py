@@ -60,6 +60,10 @@ class AsyncEnvClient:
     async def close_sessions(self, session_ids: Sequence[str]) -> list[pb.ItemStatus]:
         return list((await self._call(self.env.Close, pb.CloseRequest(session_ids=list(session_ids)))).statuses)
 
+    async def restore(self, histories: Sequence[pb.SessionHistory]) -> pb.RestoreResponse:
+        """Rebuild sessions here from their histories (one RestoredSession per history, in order)."""
+        return await self._call(self.env.Restore, pb.RestoreRequest(sessions=list(histories)))
+
     async def get_state(self, session_id: str, turn: int = -1, episode: int | None = None,
                         trial: int | None = None) -> pb.GetStateResponse:
         return await self._call(self.state.GetState, rq.get_state_request(session_id, turn, episode, trial),
