@@ -197,12 +197,13 @@ class Replica:
         by_worker: dict[int, tuple[WorkerHandle, list[str]]] = {}
         for sid, rec in self.sessions.items():
             by_worker.setdefault(rec.worker.slot, (rec.worker, []))[1].append(sid)
-        replies = await asyncio.gather(*[self.pool.call(w, "histories", sids) for w, sids in by_worker.values()],
-                                       return_exceptions=True)
+        replies = await asyncio.gather(*[asyncio.wait_for(self.pool.call(w, "histories", sids),
+                                                          max(0.1, deadline - time.monotonic()))
+                                         for w, sids in by_worker.values()], return_exceptions=True)
         by_env: dict[str, list[tuple[str, pb.SessionHistory]]] = {}
         for reply in replies:
             if isinstance(reply, BaseException):
-                continue  # that worker died: its sessions are lost, as without a drain
+                continue  # that worker died or is stuck: its sessions end with this replica
             for sid, h in reply:
                 if h is not None and sid in self.sessions:
                     by_env.setdefault(h["env_id"], []).append((sid, convert.history_to_proto(h)))
