@@ -8,8 +8,11 @@ results keep arriving during generation; at most one policy call runs at a time 
 Each turn samples with a seed derived from (run seed, iteration, task, sample, episode, turn), so a
 rollout's completions do not depend on which sessions happened to share a batch.
 
-A session whose reset or step fails (a replica lost, a lease expired) ends its trial with the error
-recorded in `Trial.info["error"]`; the other sessions go on, and the trainer drops failed trials.
+Routed through the directory, a session whose replica dies, drains or restarts is rebuilt on a live
+one by the client (its reset arguments and actions replayed) and its trial goes on. A session whose
+reset or step still fails (not rebuildable, a lease expired, one replica only) ends its trial with
+the error recorded in `Trial.info["error"]`; the other sessions go on, and the trainer drops failed
+trials.
 """
 from __future__ import annotations
 
