@@ -7,7 +7,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "containers"))
 
-from serverproc import ServerProcess  # noqa: E402
+from serverproc import RedisProcess, ServerProcess  # noqa: E402
 
 GRID_ENVS = ["sokoban", "frozenlake", "minesweeper"]
 
@@ -40,6 +40,17 @@ def pytest_terminal_summary(terminalreporter):
 def grid_server():
     """One real server process on loopback serving the grid environments, shared by the session."""
     with ServerProcess(GRID_ENVS, workers=2) as server:
+        yield server
+
+
+@pytest.fixture
+def redis_server():
+    """A real redis-server on a loopback port, empty, for this test (skips where none is installed)."""
+    try:
+        server = RedisProcess()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    with server:
         yield server
 
 

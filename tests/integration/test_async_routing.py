@@ -8,17 +8,13 @@ import pytest
 
 from envserve.client import AsyncRoutedClient
 from envserve.directory import open_directory, replica_of
-from serverproc import RedisProcess, ServerProcess
+from serverproc import ServerProcess
 
 HEARTBEAT = 0.5
 
 
 @pytest.fixture
-def two_replicas():
-    try:
-        redis_server = RedisProcess()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+def two_replicas(redis_server):
     extra = ["--directory", redis_server.url, "--heartbeat-seconds", str(HEARTBEAT)]
     a = ServerProcess(["sokoban"], workers=1, metrics=False, extra=[*extra, "--replica-id", "async-a"])
     b = ServerProcess(["sokoban"], workers=1, metrics=False, extra=[*extra, "--replica-id", "async-b"])
@@ -29,7 +25,6 @@ def two_replicas():
     yield redis_server, a, b
     a.kill()
     b.kill()
-    redis_server.stop()
 
 
 def test_stream_spans_replicas_and_survives_one_dying(two_replicas):

@@ -11,20 +11,10 @@ import pytest
 from envserve.client import RoutedClient, check
 from envserve.directory import ReplicaInfo, open_directory, replica_of
 from envserve.directory.memory import MemoryDirectory
-from serverproc import RedisProcess, ServerProcess
+from serverproc import ServerProcess
 
 HEARTBEAT = 0.5  # seconds; the directory forgets a replica two periods after its last heartbeat
 LOST = grpc.StatusCode.DATA_LOSS.value[0]
-
-
-@pytest.fixture
-def redis_server():
-    try:
-        server = RedisProcess()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    with server:
-        yield server
 
 
 def _info(rid, envs=("sokoban",), live=0, capacity=100, draining=False):

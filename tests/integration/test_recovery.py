@@ -15,7 +15,7 @@ import pytest
 from envserve.client import AsyncRoutedClient, EnvClient, RoutedClient, messages as pb
 from envserve.client.experts import plain_answer
 from envserve.directory import open_directory, replica_of
-from serverproc import RedisProcess, ServerProcess
+from serverproc import ServerProcess
 
 HEARTBEAT = 0.5
 GRID = ["sokoban", "frozenlake", "minesweeper"]
@@ -23,16 +23,6 @@ MOVES = {"sokoban": ["Up", "Right", "Down", "Left"], "frozenlake": ["Right", "Do
          "minesweeper": ["(0, 0)", "(2, 3)", "(5, 5)", "(1, 4)", "(4, 1)", "(3, 3)"]}
 LOST = grpc.StatusCode.DATA_LOSS.value[0]
 ENDED = grpc.StatusCode.FAILED_PRECONDITION.value[0]
-
-
-@pytest.fixture
-def redis_server():
-    try:
-        server = RedisProcess()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    with server:
-        yield server
 
 
 class Cluster:
