@@ -27,7 +27,7 @@ export VK_ICD_FILENAMES := $(abspath $(LAVAPIPE))/lvp_icd.json
 VULKAN_DRIVER = $(LAVAPIPE)/lvp_icd.json
 endif
 
-.PHONY: run test install wheels proto bench bench-visual bench-judge learn learn-scratch test-vllm test-verl clean
+.PHONY: run test test-contention install wheels proto bench bench-visual bench-judge learn learn-scratch test-vllm test-verl clean
 
 $(VENV)/.installed: pyproject.toml trainer/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -59,6 +59,14 @@ run: install
 
 test: install $(VULKAN_DRIVER)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The suites that talk to real servers, again with one more CPU-burning process than there are cores
+# beside them (tests/contention.sh): the races a busy shared machine shows and an idle one hides.
+# CONTENTION_LIMIT (seconds) ends a run that hangs.
+CONTENTION_SUITES ?= tests/integration tests/fault tests/trainer/integration tests/integrations
+CONTENTION_LIMIT ?= 2700
+test-contention: install $(VULKAN_DRIVER)
+	tests/contention.sh --limit $(CONTENTION_LIMIT) -- $(PY) -m pytest $(PYTEST_ARGS) $(CONTENTION_SUITES)
 
 $(LAVAPIPE)/lvp_icd.json:
 	deploy/vulkan/fetch-lavapipe.sh $(LAVAPIPE)
