@@ -13,7 +13,7 @@ import pytest
 from envserve.client import AsyncEnvClient, AsyncRoutedClient
 from envserve.client.errors import EnvServeError
 from envserve.v1 import envserve_pb2 as pb
-from serverproc import RedisProcess, ServerProcess
+from serverproc import ServerProcess
 
 STAY = "<answer>Left</answer>"  # FrozenLake starts in the top-left corner: Left stays put, the turn counts up
 ROUNDS = 40
@@ -72,29 +72,23 @@ def test_a_close_right_after_its_reader_is_cancelled_ends_the_call_quietly(serve
     asyncio.run(main())
 
 
-def test_routed_streams_open_and_close_cleanly_round_after_round():
+def test_routed_streams_open_and_close_cleanly_round_after_round(redis_server):
     # A routed stream's close cancels its reader task on each replica's stream, then closes it.
-    try:
-        redis = RedisProcess()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    try:
-        with ServerProcess(["frozenlake"], workers=1, metrics=False, extra=["--directory", redis.url]):
-            async def rollout(c: AsyncRoutedClient, sid: str, k: int) -> None:
-                async with c.stream() as rs:
-                    await rs.send_reset(sid, seed=k)
-                    ((_, r),) = await rs.recv()
-                    assert r.session_id == sid and r.status.code == 0
+    async def rollout(c: AsyncRoutedClient, sid: str, k: int) -> None:
+        async with c.stream() as rs:
+            await rs.send_reset(sid, seed=k)
+            ((_, r),) = await rs.recv()
+            assert r.session_id == sid and r.status.code == 0
 
-            async def main():
-                async with AsyncRoutedClient(redis.url) as c:
-                    ids = await c.open("frozenlake", 8, {"max_turns": 100000}, "no_think")
-                    for k in range(ROUNDS):
-                        await asyncio.gather(*[rollout(c, sid, k) for sid in ids])
-                    assert all(r.status.code == 0 for r in await c.step([(sid, STAY) for sid in ids]))
-            asyncio.run(main())
-    finally:
-        redis.stop()
+    async def main():
+        async with AsyncRoutedClient(redis_server.url) as c:
+            ids = await c.open("frozenlake", 8, {"max_turns": 100000}, "no_think")
+            for k in range(ROUNDS):
+                await asyncio.gather(*[rollout(c, sid, k) for sid in ids])
+            assert all(r.status.code == 0 for r in await c.step([(sid, STAY) for sid in ids]))
+
+    with ServerProcess(["frozenlake"], workers=1, metrics=False, extra=["--directory", redis_server.url]):
+        asyncio.run(main())
 
 
 def test_a_close_with_items_in_flight_ends_their_callers_with_eof(server):
