@@ -5,8 +5,9 @@
 #   tests/contention.sh [--burners N] [--limit SECONDS] -- command [args...]
 #
 # --burners: how many (default: one more than the cores, so the command never has a core alone).
-# --limit:   the command is ended after this long, and no burner outlives it even if this script is
-#            killed without running its trap (default 3600).
+# --limit:   the command is interrupted (SIGINT, so pytest still reports what failed) after this
+#            long, killed a minute later, and no burner outlives it even if this script is killed
+#            without running its trap (default 3600).
 # Exits with the command's status (124 when the limit ended it).
 set -euo pipefail
 
@@ -41,7 +42,7 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 
 for _ in $(seq "$burners"); do
-  timeout "$limit" python3 -c "while True: pass" &
+  timeout "$(( limit + 90 ))" python3 -c "while True: pass" &
   pids+=("$!")
 done
 echo "contention: $burners CPU burners beside the command ($(nproc) cores), limit ${limit} s" >&2
@@ -49,7 +50,7 @@ echo "contention: $burners CPU burners beside the command ($(nproc) cores), limi
 start=$(date +%s)
 status=0
 # In the background, so a signal to this script runs its trap at once instead of after the command.
-timeout "$limit" "$@" &
+timeout -s INT -k 60 "$limit" "$@" &
 cmd=$!
 wait "$cmd" || status=$?
 cmd=""
