@@ -62,11 +62,13 @@ test: install $(VULKAN_DRIVER)
 
 # The suites that talk to real servers, again with one more CPU-burning process than there are cores
 # beside them (tests/contention.sh): the races a busy shared machine shows and an idle one hides.
-# CONTENTION_LIMIT (seconds) ends a run that hangs.
+# Tests marked cpu_bound (model training alone) are left out: burners only stretch them.
+# CONTENTION_LIMIT (seconds) interrupts a run that hangs.
 CONTENTION_SUITES ?= tests/integration tests/fault tests/trainer/integration tests/integrations
 CONTENTION_LIMIT ?= 2700
 test-contention: install $(VULKAN_DRIVER)
-	tests/contention.sh --limit $(CONTENTION_LIMIT) -- $(PY) -m pytest $(PYTEST_ARGS) $(CONTENTION_SUITES)
+	tests/contention.sh --limit $(CONTENTION_LIMIT) -- \
+	  $(PY) -m pytest -rfE --durations=20 -m "not cpu_bound" $(PYTEST_ARGS) $(CONTENTION_SUITES)
 
 $(LAVAPIPE)/lvp_icd.json:
 	deploy/vulkan/fetch-lavapipe.sh $(LAVAPIPE)

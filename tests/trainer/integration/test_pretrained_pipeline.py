@@ -15,6 +15,9 @@ from serverproc import ServerProcess
 
 pytest.importorskip("gguf")
 
+# Five CLI runs of a 135M model one after another: on a starved machine only slower, nothing to race.
+pytestmark = pytest.mark.cpu_bound
+
 ROOT = Path(__file__).resolve().parents[3]
 
 CONFIG = {
