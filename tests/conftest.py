@@ -16,6 +16,22 @@ GRID_ENVS = ["sokoban", "frozenlake", "minesweeper"]
 os.environ.setdefault("ENVSERVE_ALFWORLD_GAMES", os.path.join(tempfile.gettempdir(), "envserve-test-alfworld-games"))
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "last_in_module: runs after every other test of its module, "
+                                       "because it takes down what they share (a module's stack)")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """After pytest-randomly's shuffle (which keeps each module's tests together): a module's
+    last_in_module tests move behind the module's others."""
+    blocks: dict = {}
+    for item in items:
+        blocks.setdefault(item.module, []).append(item)
+    items[:] = [i for block in blocks.values() for i in sorted(block, key=lambda i: bool(i.get_closest_marker(
+        "last_in_module")))]
+
+
 # Figures tests measure (success rates, timings), shown at the end of every run, with or without -s.
 _FIGURES: list[str] = []
 

@@ -202,6 +202,7 @@ def test_image_healthchecks_pass(stack):
     assert not unhealthy
 
 
+@pytest.mark.last_in_module
 def test_down_leaves_no_container_or_network(stack, engine_api):
     label = f"com.docker.compose.project={stack.project}"
     before = leftovers(engine_api, label, f"{stack.project}_")
