@@ -10,7 +10,7 @@ threads, open fds, processes and JVMs of every replica's process tree, the judge
 process's, and the live sessions the directory reports. After the load: an idle wait of lease plus
 reap time, then the sessions must be back to 0 and no process or fd left behind.
 
-    .venv/bin/python bench/soak.py --minutes 120 --json                    # the long run (docs)
+    .venv/bin/python bench/soak.py --minutes 120 --fault-targets 1 --json  # the long run (docs)
     .venv/bin/python bench/soak.py --minutes 3 --envs sokoban,frozenlake,minesweeper,webshop --json
 
 Slopes are per hour, least squares over the samples after --warmup (a fraction of the run).
@@ -92,21 +92,25 @@ class Stack:
 
     def sample(self) -> dict:
         with self.lock:
-            pids = [p.proc.pid for p in self.replicas.values()]
+            roots = {f"{rid}:{p.proc.pid}": p.proc.pid for rid, p in self.replicas.items()}
+        roots[f"judge:{self.judge.proc.pid}"] = self.judge.proc.pid
         total = dict.fromkeys(METRICS, 0)
-        for pid in [*pids, self.judge.proc.pid]:
-            for k, v in tree_stats(pid).items():
+        trees = {}
+        for name, pid in roots.items():
+            stats = tree_stats(pid)
+            trees[name] = round(stats["pss_mb"], 1)
+            for k, v in stats.items():
                 total[k] += v
         me = psutil.Process()
         judge = tree_stats(self.judge.proc.pid)
         return {**{k: round(v, 1) for k, v in total.items()}, "live_sessions": self.live_sessions(),
                 "judge_fds": judge["fds"], "judge_threads": judge["threads"],
                 "client_rss_mb": round(me.memory_info().rss / 2**20, 1), "client_threads": me.num_threads(),
-                "client_fds": me.num_fds()}
+                "client_fds": me.num_fds(), "tree_pss_mb": trees}
 
-    def fault(self, kind: str, rng: random.Random) -> None:
+    def fault(self, kind: str, rng: random.Random, targets: int) -> None:
         with self.lock:
-            rid = rng.choice(sorted(self.replicas))
+            rid = rng.choice(sorted(self.replicas)[:targets])
             proc = self.replicas[rid]
         if kind == "worker":
             pids = proc.worker_pids()
@@ -253,6 +257,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=3, help="episode threads")
     ap.add_argument("--lease", type=float, default=20.0, help="the replicas' session lease (s)")
     ap.add_argument("--fault-every", type=float, default=60.0)
+    ap.add_argument("--fault-targets", type=int, default=0,
+                    help="hit only the first N replicas (0: all); the others live through the run, so "
+                         "their process trees' memory slopes are read without restarts in them")
     ap.add_argument("--sample-every", type=float, default=10.0)
     ap.add_argument("--warmup", type=float, default=0.2, help="fraction of the run left out of the slopes")
     ap.add_argument("--heartbeat", type=float, default=0.5)
@@ -285,7 +292,7 @@ def main() -> None:
                 next_sample = now + args.sample_every
             if now >= next_fault:
                 kind = FAULTS[sum(faults.values()) % len(FAULTS)]
-                stack.fault(kind, rng)
+                stack.fault(kind, rng, args.fault_targets or args.replicas)
                 faults[kind] += 1
                 next_fault = time.monotonic() + args.fault_every
             time.sleep(0.2)
@@ -299,9 +306,18 @@ def main() -> None:
         slopes = {k: round(slope_per_hour([(t, s[k]) for t, s in kept]), 2)
                   for k in [*METRICS, "client_rss_mb", "client_fds", "client_threads"]}
         mean_pss = sum(s["pss_mb"] for _, s in kept) / max(1, len(kept))
+        # Per process tree (a replica under one pid, the judge): the growth of each tree that lived
+        # through the whole window after warm-up, in percent of its mean per hour.
+        per_tree = {}
+        for name in kept[0][1]["tree_pss_mb"] if kept else []:
+            series = [(t, s["tree_pss_mb"][name]) for t, s in kept if name in s["tree_pss_mb"]]
+            if len(series) == len(kept):
+                mean = sum(v for _, v in series) / len(series)
+                per_tree[name] = round(100 * slope_per_hour(series) / mean, 2) if mean else 0.0
         out = {"minutes": args.minutes, "envs": envs, **counts.c, "faults": faults,
                "baseline": baseline, "final": final, "slope_per_hour": slopes,
                "pss_growth_percent_per_hour": round(100 * slopes["pss_mb"] / mean_pss, 2) if mean_pss else 0.0,
+               "tree_pss_growth_percent_per_hour": per_tree,
                "samples": len(samples), "failures": counts.failures,
                "left_behind": {"sessions": final["live_sessions"],
                                "processes": final["processes"] - baseline["processes"],
