@@ -178,31 +178,51 @@ def test_spawn_forks_the_session_in_its_state(env_ids):
         e.close()
 
 
-def test_close_releases_the_session_and_a_lost_one_ends_the_episode(grid_server, env_ids):
-    env = gem.make("envserve:frozenlake")
+def test_a_session_closed_under_the_env_is_rebuilt_by_replay_or_ends_the_episode(grid_server, env_ids):
+    env, twin = gem.make("envserve:frozenlake"), gem.make("envserve:frozenlake")
     first, _ = env.reset(seed=2)
+    assert twin.reset(seed=2)[0] == first
     sid = env.session_id
     assert sid in live_session_ids(grid_server.address, "frozenlake")
+    assert env.step("<answer>Left</answer>")[1:4] == twin.step("<answer>Left</answer>")[1:4]
     with EnvClient(grid_server.address) as c:
         c.close_sessions([sid])                                    # as an expired lease would
-    obs, reward, terminated, truncated, info = env.step("<answer>Left</answer>")
+    # Rebuilt from its history on the replica, the step answered as the twin's: same id for GEM.
+    got, want = env.step("<answer>Down</answer>"), twin.step("<answer>Down</answer>")
+    assert got[:4] == want[:4] and got[4]["turn"] == want[4]["turn"] == 2
+    assert env.session_id == sid and env.session.real_id != sid
+    rebuilt = env.session.real_id
+    assert rebuilt in live_session_ids(grid_server.address, "frozenlake")
+    env.close()
+    twin.close()
+    assert rebuilt not in live_session_ids(grid_server.address, "frozenlake")
+
+    # Without recovery the episode ends with the error, and the next reset opens a new session.
+    lone = gem.make("envserve:frozenlake", recovery=False)
+    first, _ = lone.reset(seed=2)
+    sid = lone.session_id
+    with EnvClient(grid_server.address) as c:
+        c.close_sessions([sid])
+    obs, reward, terminated, truncated, info = lone.step("<answer>Left</answer>")
     assert (reward, terminated, truncated) == (0.0, False, True) and info["error_code"] == "NOT_FOUND"
     assert obs.startswith("Error: the environment failed (NOT_FOUND")
-    assert env.reset(seed=2)[0] == first and env.session_id != sid  # a new session, same start
-    live = env.session_id
-    env.close()
+    assert lone.reset(seed=2)[0] == first and lone.session_id != sid  # a new session, same start
+    live = lone.session_id
+    lone.close()
     assert live not in live_session_ids(grid_server.address, "frozenlake")
 
 
 def test_a_replica_killed_mid_episode_truncates_the_episode_with_a_message(own_server):
-    (name,) = register(own_server.address, ["frozenlake"], prefix="doomed:", timeout=10)
+    # Recovery off: the only replica is gone (across replicas: tests/integrations/test_replicas.py).
+    (name,) = register(own_server.address, ["frozenlake"], prefix="doomed:", timeout=10, recovery=False)
     env = gem.make(name)
     env.reset(seed=0)
     assert not any(env.step("<answer>Left</answer>")[2:4])
     own_server.kill()
     obs, reward, terminated, truncated, info = env.step("<answer>Left</answer>")
     assert (reward, terminated, truncated) == (0.0, False, True)
-    assert info["error"].startswith("Error: the environment failed (UNAVAILABLE") and obs == info["error"]
+    assert info["error"].startswith("Error: the environment failed (DATA_LOSS") and obs == info["error"]
+    assert "no longer answers at its address" in obs
     env.close()  # best effort, quick with the replica gone
 
 

@@ -196,27 +196,40 @@ def test_close_and_garbage_collection_release_the_session(grid_server, env_class
     assert sid not in live_session_ids(grid_server.address, "frozenlake")
 
 
-def test_a_lost_session_is_reopened_by_init_and_ends_a_step(grid_server, env_classes):
+def test_a_lost_session_is_rebuilt_or_without_recovery_ends_a_step_and_is_reopened_by_init(grid_server, env_classes):
     env = skyrl_gym.make("envserve-frozenlake", env_config=DictConfig({}), extras={"seed": 2})
+    twin = skyrl_gym.make("envserve-frozenlake", env_config=DictConfig({}), extras={"seed": 2})
     first, _ = env.init([])
+    assert twin.init([])[0] == first
     with EnvClient(grid_server.address) as c:
         c.close_sessions([env.session_id])                       # as an expired lease would
-    out = env.step("<answer>Down</answer>")
+    got, want = env.step("<answer>Down</answer>"), twin.step("<answer>Down</answer>")
+    assert (got["observations"], got["reward"], got["done"]) == (want["observations"], want["reward"], want["done"])
+    assert "error" not in got["metadata"] and env.session.real_id != env.session_id
+    env.close()
+    twin.close()
+
+    lone = skyrl_gym.make("envserve-frozenlake", env_config=DictConfig({"recovery": False}), extras={"seed": 2})
+    first, _ = lone.init([])
+    with EnvClient(grid_server.address) as c:
+        c.close_sessions([lone.session_id])
+    out = lone.step("<answer>Down</answer>")
     assert out["done"] and out["reward"] == 0.0 and out["observations"] == []
     assert out["metadata"]["error_code"] == "NOT_FOUND" and "Error: the environment failed" in out["metadata"]["error"]
-    again, _ = env.init([])                                       # a new session, same start
+    again, _ = lone.init([])                                      # a new session, same start
     assert again == first
-    env.close()
+    lone.close()
 
 
 def test_a_replica_killed_mid_episode_ends_the_episode_with_a_message(own_server):
-    (name,) = register(own_server.address, ["frozenlake"], prefix="doomed-", timeout=10)
+    # Recovery off: the only replica is gone (across replicas: tests/integrations/test_replicas.py).
+    (name,) = register(own_server.address, ["frozenlake"], prefix="doomed-", timeout=10, recovery=False)
     env = skyrl_gym.make(name, env_config=DictConfig({}), extras={"seed": 0})
     env.init([])
     assert not env.step("<answer>Left</answer>")["done"]          # into the wall: nothing happens
     own_server.kill()
     out = env.step("<answer>Down</answer>")
     assert out["done"] and out["reward"] == 0.0 and out["observations"] == []
-    assert out["metadata"]["error"].startswith("Error: the environment failed (UNAVAILABLE")
+    assert out["metadata"]["error"].startswith("Error: the environment failed (DATA_LOSS")
     assert env.get_metrics()["turns"] == 2
     env.close()  # best effort, quick with the replica gone

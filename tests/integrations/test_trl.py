@@ -110,12 +110,13 @@ def test_invalid_actions_and_finished_episodes_come_back_as_text(factory):
 def test_a_replica_that_dies_mid_episode_ends_the_rollout_with_text():
     from serverproc import ServerProcess
     with ServerProcess(["frozenlake"], workers=1, metrics=False) as server:
-        cls = environment_factory(server.address, "frozenlake", timeout=10)
+        # Recovery off: the only replica is gone (across replicas: tests/integrations/test_replicas.py).
+        cls = environment_factory(server.address, "frozenlake", timeout=10, recovery=False)
         env = cls()
         env.reset(seed=0)
         server.kill()
         out = env.move("Down")
-        assert out.startswith("Error: the environment failed (UNAVAILABLE")
+        assert out.startswith("Error: the environment failed (DATA_LOSS") and "is gone" in out
         assert "episode is over" in env.move("Down")
         cls.close()  # best effort, and quick, with the replica gone
 
@@ -140,11 +141,11 @@ def test_sessions_are_closed_by_the_pool_and_by_garbage_collection(grid_server, 
         with pytest.raises(SessionNotFoundError):
             c.step_one(sid, "<answer>Left</answer>")
         # A session the server dropped (here: closed behind the pool's back, as an expired lease
-        # would be) is opened again by the next reset.
+        # would be) is rebuilt by the next reset: the same id for TRL, another on the replica.
         c.close_sessions([kept.session_id])
     old = kept.session_id
-    assert "P" in kept.reset(seed=0) and kept.session_id != old
-    live = kept.session_id
+    assert "P" in kept.reset(seed=0) and kept.session_id == old and kept._session.real_id != old
+    live = kept._session.real_id
     assert live in live_session_ids(grid_server.address, "frozenlake")
     cls.close()
     assert live not in live_session_ids(grid_server.address, "frozenlake")

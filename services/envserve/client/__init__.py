@@ -8,11 +8,12 @@ from .errors import (EnvServeError, PermissionDeniedError, ReplicaFullError, Ses
                      SessionNotFoundError, UnauthenticatedError, UnavailableError, check, item_error)
 from .aio_routing import AsyncRoutedClient, RoutedStream
 from .routing import RoutedClient
+from .streaming import StreamingClient
 from .recovery import RecoverySettings
 from .judge import AsyncJudgeClient, JudgeClient, JudgeTask
 
 __all__ = [
-    "EnvClient", "AsyncEnvClient", "JudgeClient", "AsyncJudgeClient", "JudgeTask", "RoutedClient", "AsyncRoutedClient", "RoutedStream", "RecoverySettings", "InteractStream", "decode_image", "state_dict",
+    "EnvClient", "AsyncEnvClient", "JudgeClient", "AsyncJudgeClient", "JudgeTask", "RoutedClient", "AsyncRoutedClient", "StreamingClient", "RoutedStream", "RecoverySettings", "InteractStream", "decode_image", "state_dict",
     "EnvServeError", "SessionLostError", "SessionNotFoundError", "ReplicaFullError", "UnavailableError",
     "PermissionDeniedError", "UnauthenticatedError", "check", "item_error", "messages",
 ]

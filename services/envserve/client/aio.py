@@ -43,6 +43,9 @@ class AsyncEnvClient:
         r = await self._call(self.env.Open, rq.open_request(env_id, count, config, action_format))
         return list(r.session_ids), r.system_prompt
 
+    async def list_envs(self) -> list[pb.EnvSpec]:
+        return list((await self._call(self.env.ListEnvs, pb.ListEnvsRequest())).envs)
+
     async def get_spec(self, env_id: str) -> pb.EnvSpec:
         return await self._call(self.env.GetSpec, pb.GetSpecRequest(env_id=env_id))
 
@@ -250,6 +253,12 @@ class InteractStream:
     async def reset(self, session_id: str, seed: int | None = None, task_id: str = "", split: str = "",
                     same_task: bool = False) -> pb.StepResult:
         return await self._exchange(self._reset_item(session_id, seed, task_id, split, same_task))
+
+    async def exchange(self, item: "pb.StepItem | pb.ResetItem") -> pb.StepResult:
+        """One Step or Reset item (as a batch call takes them), awaited for its own result."""
+        tag = next(self._tags)
+        return await self._exchange(pb.InteractItem(tag=tag, step=item) if isinstance(item, pb.StepItem)
+                                    else pb.InteractItem(tag=tag, reset=item))
 
     async def _exchange(self, item: pb.InteractItem) -> pb.StepResult:
         if (self._reader is None and self._alone is None and self._writer is None and not self.in_flight

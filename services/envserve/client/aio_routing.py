@@ -21,9 +21,19 @@ from .routing import _RETRY_ELSEWHERE, Router, _on, broken_call_code, indices_by
 
 
 class AsyncRoutedClient(Router):
-    """Same routing as RoutedClient; the directory (a blocking store) is read off the event loop."""
+    """Same routing as RoutedClient; the directory (a blocking store) is read off the event loop.
+
+    stream_steps: reset and step items travel on one Interact stream per replica, shared by every
+    caller of this client, instead of a Step call each: a lone caller writes and reads on the
+    stream itself, overlapping callers share its messages (see InteractStream). Results, routing
+    and recovery are the same either way."""
 
     client_class = AsyncEnvClient
+
+    def __init__(self, *args, stream_steps: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stream_steps = stream_steps
+        self._streams: dict[AsyncEnvClient, InteractStream] = {}
 
     async def _refresh(self, env_id: str | None = None) -> list[ReplicaInfo]:
         return await asyncio.to_thread(self.replicas, env_id)
@@ -39,6 +49,7 @@ class AsyncRoutedClient(Router):
     async def get_spec(self, env_id: str) -> pb.EnvSpec:
         replicas = await self._refresh(env_id)
         if not replicas:
+            await asyncio.to_thread(self.check_served, env_id)
             raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"no live replica serves {env_id!r}")
         return await self.client_for(replicas[0]).get_spec(env_id)
 
@@ -50,6 +61,7 @@ class AsyncRoutedClient(Router):
         opened: list[str] = []
         tried: set[str] = set()
         last_error: EnvServeError | None = None
+        await asyncio.to_thread(self.check_served, env_id)
         deadline = self.open_deadline()
         while len(opened) < count:
             shares = self.plan(env_id, count - len(opened), tried)
@@ -93,8 +105,15 @@ class AsyncRoutedClient(Router):
                     results[i] = self._lost(sid_of(items[i]), rid)
             else:
                 plans.append((r, indices))
-        replies = await asyncio.gather(*[call(self.client_for(r), [items[i] for i in idx]) for r, idx in plans],
-                                       return_exceptions=True)
+        if len(plans) == 1:  # one replica (a lone caller's item): no task to schedule
+            r, idx = plans[0]
+            try:
+                replies = [await call(self.client_for(r), [items[i] for i in idx])]
+            except Exception as e:  # noqa: BLE001 (as gather's return_exceptions: judged below)
+                replies = [e]
+        else:
+            replies = await asyncio.gather(*[call(self.client_for(r), [items[i] for i in idx]) for r, idx in plans],
+                                           return_exceptions=True)
         for (r, indices), reply in zip(plans, replies):
             if isinstance(reply, EnvServeError):
                 code = broken_call_code(reply.code)
@@ -114,14 +133,43 @@ class AsyncRoutedClient(Router):
 
         async def call(c: AsyncEnvClient, its):
             return list((await c._call(c.env.Reset, pb.ResetRequest(items=its))).results)
-        return await self._items(items, call, step=False)
+        return await self._items(items, self._over_stream if self.stream_steps else call, step=False)
 
     async def step(self, actions: "Mapping[str, str] | Iterable[tuple[str, str]]") -> list[pb.StepResult]:
         items = list(rq.step_request(actions).items)
 
         async def call(c: AsyncEnvClient, its):
             return list((await c._call(c.env.Step, pb.StepRequest(items=its))).results)
-        return await self._items(items, call, step=True)
+        return await self._items(items, self._over_stream if self.stream_steps else call, step=True)
+
+    async def _over_stream(self, c: AsyncEnvClient, items: list) -> list[pb.StepResult]:
+        """Items as items of the replica's shared Interact stream, opened on first use and again
+        after one ended. A stream that broke fails its items as the call would (UNAVAILABLE, the
+        server's status), so routing and recovery treat them alike."""
+        s = self._streams.get(c)
+        if s is None:
+            s = self._streams[c] = await InteractStream(c.env, c.metadata).__aenter__()
+        exchange = s.exchange(items[0]) if len(items) == 1 else asyncio.gather(*[s.exchange(it) for it in items])
+        timeout = self.client_kw["timeout"]
+        try:
+            if timeout is None:
+                got = await exchange
+            elif hasattr(asyncio, "timeout"):  # 3.11: no task per call
+                async with asyncio.timeout(timeout):
+                    got = await exchange
+            else:
+                got = await asyncio.wait_for(exchange, timeout)
+            return [got] if len(items) == 1 else list(got)
+        except (TimeoutError, asyncio.TimeoutError):
+            # The items stay on the stream; their results, when they come, go nowhere.
+            raise make_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer on the stream within {timeout:g} s") from None
+        except (EOFError, EnvServeError) as e:
+            if self._streams.get(c) is s:
+                del self._streams[c]
+                await s.__aexit__(type(e), e, None)
+            if isinstance(e, EnvServeError):
+                raise
+            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"its Interact stream ended: {e}") from None
 
     async def _items(self, items: list, call, step: bool) -> list[pb.StepResult]:
         """As RoutedClient._items: sent where each session is now, lost ones rebuilt and sent again."""
@@ -200,7 +248,19 @@ class AsyncRoutedClient(Router):
     def stream(self) -> "RoutedStream":
         return RoutedStream(self)
 
+    async def list_envs(self) -> list[pb.EnvSpec]:
+        """Every environment some live replica serves (one spec per env)."""
+        specs: dict[str, pb.EnvSpec] = {}
+        for r in await self._refresh():
+            if not all(e in specs for e in r.envs):
+                for spec in await self.client_for(r).list_envs():
+                    specs.setdefault(spec.env_id, spec)
+        return list(specs.values())
+
     async def close(self) -> None:
+        streams, self._streams = list(self._streams.values()), {}
+        for s in streams:
+            await s.__aexit__(None, None, None)
         for c in list(self._clients.values()):
             await c.close()
         self._clients.clear()

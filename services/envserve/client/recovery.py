@@ -27,7 +27,7 @@ LOSS_CODES = frozenset({grpc.StatusCode.DATA_LOSS.value[0], grpc.StatusCode.UNAV
                         grpc.StatusCode.NOT_FOUND.value[0]})
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class RecoverySettings:
     """enabled: rebuild lost sessions (on by default). max_turns: the longest episode kept for
     replay; a session stepped further is lost with its replica as before. timeout_seconds: how long

@@ -18,10 +18,11 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import grpc
 
-from envserve.directory import Directory, DirectoryUnavailable, ReplicaInfo, open_directory, replica_of
+from envserve.directory import Directory, DirectoryUnavailable, ReplicaInfo, replica_of
 from envserve.v1 import envserve_pb2 as pb
 
 from . import _requests as rq
+from .addresses import directory_for
 from .client import EnvClient
 from .errors import EnvServeError, UnavailableError, from_rpc_error, make_error
 from .recovery import RecoverySettings, SessionTable, lost_result, replica_gone
@@ -71,18 +72,19 @@ def indices_by_replica(items: list, sid_of) -> dict[str, list[int]]:
 
 class Router:
     """What the sync and async routed clients share: the cached replica list, where to open,
-    and which replica a session lives on. directory: a Directory or its URL. use_external:
+    and which replica a session lives on. directory: a Directory, its URL, or the replicas'
+    addresses (one, a list, or a string joined by commas; see addresses.py). use_external:
     connect to the replicas' external addresses (published container ports). recovery: rebuild lost
     sessions on live replicas (True, the default), not (False), or RecoverySettings."""
 
     client_class = EnvClient
 
-    def __init__(self, directory: "Directory | str", token: str | None = None, state_token: str | None = None,
+    def __init__(self, directory: "Directory | str | Sequence[str]", token: str | None = None, state_token: str | None = None,
                  root_certificates: "bytes | str | None" = None, tls: bool = False, use_external: bool = False,
                  timeout: float | None = 60.0, refresh_seconds: float = 1.0, max_open_per_call: int = 4096,
                  recovery: "RecoverySettings | bool" = True):
-        self.directory = open_directory(directory) if isinstance(directory, str) else directory
-        self._owns_directory = isinstance(directory, str)
+        self.directory = directory_for(directory, token, root_certificates, tls)
+        self._owns_directory = self.directory is not directory
         self.client_kw = dict(token=token, state_token=state_token, root_certificates=root_certificates,
                               tls=tls, timeout=timeout)
         self.use_external = use_external
@@ -181,6 +183,17 @@ class Router:
         a recovery would (a Redis restarted empty lists no replica until their next heartbeats);
         not at all with recovery off."""
         return time.monotonic() + (self.sessions.settings.timeout_seconds if self.sessions.enabled else 0.0)
+
+    def check_served(self, env_id: str) -> None:
+        """NOT_FOUND at once for an env no replica listed so far serves (while replicas are listed):
+        waiting would not make it appear. One whose replicas are all restarting is waited for."""
+        try:
+            self.replicas()
+        except DirectoryUnavailable:
+            return
+        if self._seen and not any(env_id in r.envs for r in self._seen.values()):
+            served = sorted({e for r in self._seen.values() for e in r.envs})
+            raise make_error(grpc.StatusCode.NOT_FOUND, f"{env_id!r} is not served by any replica; served: {served}")
 
     def listed(self, env_id: str) -> bool:
         """Whether any replica not draining is listed for env_id (in the cached listing)."""
@@ -320,7 +333,7 @@ class Router:
 
     def _lost(self, sid: str, rid: str) -> pb.StepResult:
         return _item_failure(sid, grpc.StatusCode.DATA_LOSS,
-                             f"session lost: its replica {rid!r} is gone (no heartbeat in the directory)")
+                             f"session lost: its replica {rid!r} is gone ({self.directory.gone_because})")
 
     def _unreachable(self, sid: str, r: ReplicaInfo, code: grpc.StatusCode, details: str, gone: bool):
         return self._lost(sid, r.replica_id) if gone else _item_failure(
@@ -340,6 +353,7 @@ class RoutedClient(Router):
         tried: set[str] = set()
         last_error: EnvServeError | None = None
         remaining = count
+        self.check_served(env_id)
         deadline = self.open_deadline()
         while remaining > 0:
             shares = self.plan(env_id, remaining, tried)

@@ -51,6 +51,9 @@ def replica_of(session_id: str) -> str:
 class Directory(ABC):
     """Thread-safe; calls are blocking (servers call them off the event loop)."""
 
+    # Why a replica missing from the listing is taken for gone (in the errors clients report).
+    gone_because = "no heartbeat in the directory"
+
     @abstractmethod
     def heartbeat(self, info: ReplicaInfo, ttl_seconds: float) -> None:
         """Register or refresh a replica; it disappears ttl_seconds after its last heartbeat."""

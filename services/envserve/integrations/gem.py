@@ -32,6 +32,7 @@ from typing import Any, Mapping, Optional, Sequence
 import gem
 from gem.core import Env
 
+from envserve.client import RecoverySettings
 from envserve.client.experts import plain_answer
 
 from ._common import Endpoint, Outcome, Session, action_choices, first_text, is_cell_space, plain_dict, step_info
@@ -46,12 +47,19 @@ class EnvServeEnv(Env):
     config and action_format are Open's (the session is opened here: an unknown config key, a bad
     value or a format the env refuses is a ValueError). seed: the first reset's seed (make_vec passes
     one per env). task_id / split: reset to that task or split instead of a seed. include_rules: the
-    first observation starts with the env's rules and answer format."""
+    first observation starts with the env's rules and answer format.
 
-    def __init__(self, address: str, env_name: str, config: Mapping[str, Any] | None = None,
+    address: one replica's address, several (a list, or a string joined by commas) or a directory
+    URL (`redis://host:6379/0`): sessions go to the least-loaded replica. stream: steps travel on
+    the replicas' Interact streams (False: a unary Step each). recovery: a session whose replica
+    died or drained is rebuilt on a live one and the step answered as if nothing happened (False:
+    the episode ends with the error; or RecoverySettings)."""
+
+    def __init__(self, address: "str | Sequence[str]", env_name: str, config: Mapping[str, Any] | None = None,
                  action_format: str = "no_think", token: str | None = None, *, seed: Optional[int] = None,
                  task_id: str = "", split: str = "", include_rules: bool = True, timeout: float | None = 60.0,
-                 root_certificates: "bytes | str | None" = None, tls: bool = False, _session: Session | None = None):
+                 root_certificates: "bytes | str | None" = None, tls: bool = False, stream: bool = True,
+                 recovery: "bool | RecoverySettings" = True, _session: Session | None = None):
         super().__init__()
         plain_answer(action_format, ["x"])  # an unknown format is a ValueError here
         if seed is not None and not isinstance(seed, int):
@@ -59,8 +67,8 @@ class EnvServeEnv(Env):
         self._kwargs = dict(address=address, env_name=env_name, config=plain_dict(config, "config"),
                             action_format=action_format, token=token, task_id=task_id, split=split,
                             include_rules=include_rules, timeout=timeout, root_certificates=root_certificates,
-                            tls=tls)
-        endpoint = Endpoint(address, token, timeout, root_certificates, tls)
+                            tls=tls, stream=stream, recovery=recovery)
+        endpoint = Endpoint(address, token, timeout, root_certificates, tls, stream, recovery)
         self.session = _session or Session(endpoint, env_name, self._kwargs["config"], action_format)
         self.session.open()
         self.include_rules = include_rules
@@ -136,11 +144,11 @@ def env_id_for(env_id: str, prefix: str = "envserve:") -> str:
     return prefix + env_id
 
 
-def register(address: str, env_ids: "str | Sequence[str] | None" = None, *, prefix: str = "envserve:",
+def register(address: "str | Sequence[str]", env_ids: "str | Sequence[str] | None" = None, *, prefix: str = "envserve:",
              **settings: Any) -> list[str]:
     """Registers `prefix + env_id` ("envserve:sokoban") with GEM for each env (every env the replica
-    serves when env_ids is None); settings (config, action_format, token, include_rules, timeout, tls,
-    root_certificates...) are the defaults `gem.make` overrides. An id registered again with the same
+    serves when env_ids is None); address as EnvServeEnv's; settings (config, action_format, token,
+    include_rules, timeout, tls, root_certificates, stream, recovery...) are the defaults `gem.make` overrides. An id registered again with the same
     settings is left as is; with different ones it is a ValueError (GEM's registry refuses doubles).
     Returns the ids."""
     from gem.envs.registration import ENV_REGISTRY
@@ -148,7 +156,8 @@ def register(address: str, env_ids: "str | Sequence[str] | None" = None, *, pref
     if isinstance(env_ids, str):
         env_ids = [env_ids]
     endpoint = Endpoint(address, settings.get("token"), settings.get("timeout", 60.0),
-                        settings.get("root_certificates"), bool(settings.get("tls", False)))
+                        settings.get("root_certificates"), bool(settings.get("tls", False)),
+                        bool(settings.get("stream", True)), settings.get("recovery", True))
     if env_ids is None:
         env_ids = [spec.env_id for spec in endpoint.client().list_envs()]
     ids = []

@@ -16,8 +16,12 @@ thread pool, many trajectories at once.
     env = skyrl_gym.make("envserve-sokoban", env_config={}, extras={"seed": 3, "max_turns": 30})
 
 Settings (address, env_id, config, action_format, token, timeout, include_rules, tls,
-root_certificates) come from `register(...)` and can be overridden by the env_config SkyRL passes.
-`extras` (the row) gives the episode: `seed`, `task_id` or `split`, at its top level or under
+root_certificates, stream, recovery) come from `register(...)` and can be overridden by the env_config SkyRL passes.
+`address` is one replica's address, several (a list, or a string joined by commas) or a directory
+URL (`redis://host:6379/0`): each env's session goes to the least-loaded replica, and a session whose
+replica died or drained is rebuilt on a live one by replaying its history (`recovery=False`: the
+episode ends instead). Steps travel on one Interact stream per replica and process (`stream=False`:
+a unary Step each). `extras` (the row) gives the episode: `seed`, `task_id` or `split`, at its top level or under
 `extra_info`; `max_turns` there (SkyRL's generator always sets it) ends the episode after that many
 steps, on top of the env's own limit. The session is opened when the env is made (a bad config or
 action format is a ValueError then), reset by `init`, closed by `close` (and when the env is
@@ -32,13 +36,14 @@ from typing import Any, Mapping, Sequence
 
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
+from envserve.client import RecoverySettings
 from envserve.client.experts import plain_answer
 
 from ._common import Endpoint, Outcome, Session, first_text, plain_dict, row_reset_args, step_info
 
 ENTRY_POINT = "envserve.integrations.skyrl:EnvServeTextEnv"
 _SETTINGS = ("address", "env_id", "config", "action_format", "token", "timeout", "include_rules",
-             "root_certificates", "tls")
+             "root_certificates", "tls", "stream", "recovery")
 
 
 class EnvServeTextEnv(BaseTextEnv):
@@ -60,8 +65,9 @@ class EnvServeTextEnv(BaseTextEnv):
                 raise ValueError(f"envserve's SkyRL env needs {key!r} (from register(...) or env_config)")
         action_format = str(cfg.get("action_format") or "no_think")
         plain_answer(action_format, ["x"])  # an unknown format is a ValueError here
-        endpoint = Endpoint(str(cfg["address"]), cfg.get("token"), cfg.get("timeout", 60.0),
-                            cfg.get("root_certificates"), bool(cfg.get("tls", False)))
+        endpoint = Endpoint(cfg["address"], cfg.get("token"), cfg.get("timeout", 60.0),
+                            cfg.get("root_certificates"), bool(cfg.get("tls", False)), bool(cfg.get("stream", True)),
+                            cfg.get("recovery", True))
         self.env_id = str(cfg["env_id"])
         self.session = Session(endpoint, self.env_id, plain_dict(cfg.get("config"), "config"), action_format)
         self.session.open()  # unknown config keys, bad values, formats the env refuses: ValueError now
@@ -132,10 +138,11 @@ def env_class_name(env_id: str, prefix: str = "envserve-") -> str:
     return prefix + re.sub(r"[^A-Za-z0-9_.-]+", "-", env_id)
 
 
-def register(address: str, env_ids: "str | Sequence[str] | None" = None, *, prefix: str = "envserve-",
+def register(address: "str | Sequence[str]", env_ids: "str | Sequence[str] | None" = None, *, prefix: str = "envserve-",
              config: Mapping[str, Any] | None = None, action_format: str = "no_think", token: str | None = None,
              timeout: float | None = 60.0, include_rules: bool = True, tls: bool = False,
-             root_certificates: "str | None" = None) -> list[str]:
+             root_certificates: "str | None" = None, stream: bool = True,
+             recovery: "bool | RecoverySettings" = True) -> list[str]:
     """Registers `prefix + env_id` with skyrl_gym for each env (all the replica serves when env_ids is
     None), so `skyrl_gym.make("envserve-sokoban", env_config=..., extras=...)` and dataset rows with
     that env_class work. The settings given here are the defaults; SkyRL's env_config overrides them.
@@ -146,7 +153,7 @@ def register(address: str, env_ids: "str | Sequence[str] | None" = None, *, pref
 
     if isinstance(env_ids, str):
         env_ids = [env_ids]
-    endpoint = Endpoint(address, token, timeout, root_certificates, tls)
+    endpoint = Endpoint(address, token, timeout, root_certificates, tls, stream, recovery)
     if env_ids is None:
         env_ids = [spec.env_id for spec in endpoint.client().list_envs()]
     ids = []
@@ -154,7 +161,7 @@ def register(address: str, env_ids: "str | Sequence[str] | None" = None, *, pref
         endpoint.spec(env_id)  # an env the replica does not serve: ValueError
         kwargs = dict(address=address, env_id=env_id, config=dict(config or {}), action_format=action_format,
                       token=token, timeout=timeout, include_rules=include_rules, tls=tls,
-                      root_certificates=root_certificates)
+                      root_certificates=root_certificates, stream=stream, recovery=recovery)
         name = env_class_name(env_id, prefix)
         old = registry.get(name)
         if old is not None and old.entry_point != ENTRY_POINT:

@@ -13,10 +13,11 @@ column named after the class.
     trainer = GRPOTrainer(model, args=GRPOConfig(...), train_dataset=rows_with_a_seed_column,
                           environment_factory=FrozenLake)
     trainer.train()
-    FrozenLake.close()   # every session of the pool (the channel, shared per address, closes at exit)
+    FrozenLake.close()   # every session of the pool (the client, shared per address, closes at exit)
 
-Each instance holds one session (opened on its first reset) on the gRPC channel all adapters share
-for the address. A tool call is one Step: the tool's argument is written as a minimal answer in the
+Each instance holds one session (opened on its first reset) through the client all adapters share
+for the address (`_common`: routed over every replica, steps on one Interact stream per replica,
+lost sessions rebuilt by replay). A tool call is one step: the tool's argument is written as a minimal answer in the
 session's action format (`no_think` by default, so the server sees `<answer>Down</answer>`), which is how the same
 parser and rewards apply as for text-only policies. Invalid actions and finished episodes come back as
 text for the model, never as exceptions.
@@ -34,8 +35,9 @@ import os
 import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
+from envserve.client import RecoverySettings
 from envserve.client.experts import fields_answer, needs_observation, needs_prediction, plain_answer, session_settings
 from envserve.client.judge import JudgeClient, JudgeTask, reasoning_reward
 
@@ -50,13 +52,21 @@ Observation = Union[str, list[dict[str, Any]]]
 JUDGED_FIELDS = {"observation": "grounding", "prediction": "world_modeling"}
 
 
-def environment_factory(address: str, env_id: str, config: Mapping[str, Any] | None = None,
+def environment_factory(address: "str | Sequence[str]", env_id: str, config: Mapping[str, Any] | None = None,
                         action_format: str = "no_think", token: str | None = None, *,
                         tools: str = "auto", include_rules: bool = True, timeout: float | None = 60.0,
                         root_certificates: "bytes | str | None" = None, tls: bool = False,
                         judge_address: str | None = None, judge_token: str | None = None,
-                        judge_weight: float = 1.0) -> type:
+                        judge_weight: float = 1.0, stream: bool = True,
+                        recovery: "bool | RecoverySettings" = True) -> type:
     """A class for `GRPOTrainer(environment_factory=...)` whose instances are sessions of `env_id`.
+
+    address: one replica's address, several (a list, or a string joined by commas) or a directory
+    URL (`redis://host:6379/0`): each instance's session goes to the least-loaded replica. stream:
+    tool calls travel as items of one Interact stream per replica and process (False: a unary Step
+    each; the same results). recovery: a session whose replica died or drained is rebuilt on a
+    live one by replaying its history and the tool answers as if nothing happened (False: the
+    rollout ends with the error as text; or RecoverySettings).
 
     config and action_format are Open's. tools: "auto" (typed tools from the spec's action space, e.g.
     `move(direction)` for Sokoban and FrozenLake, `reveal(row, col)` for Minesweeper) or "act" (one
@@ -82,7 +92,7 @@ def environment_factory(address: str, env_id: str, config: Mapping[str, Any] | N
     if judge_address and not judged:
         raise ValueError(f"a judge scores <observation> and <prediction> texts; action format {action_format!r} "
                          "has neither (use grounding, worldmodeling or grounding_worldmodeling)")
-    pool = _Pool(Endpoint(address, token, timeout, root_certificates, tls))
+    pool = _Pool(Endpoint(address, token, timeout, root_certificates, tls, stream, recovery))
     spec = pool.endpoint.spec(env_id)
     if spec.action_formats and action_format not in spec.action_formats:
         raise ValueError(f"{env_id} accepts action formats {list(spec.action_formats)}, not {action_format!r}")
@@ -93,7 +103,7 @@ def environment_factory(address: str, env_id: str, config: Mapping[str, Any] | N
         _pool=pool, _env_id=env_id, _config=dict(config or {}), _action_format=action_format,
         _separator=str(settings["action_separator"]), _rules=spec.system_prompt if include_rules else "",
         _judge=judge, _judged_fields=tuple(judged) if judge else (),
-        __doc__=f"One envserve session of {env_id} at {address}; tools: see the methods.",
+        __doc__=f"One envserve session of {env_id} at {pool.endpoint.where}; tools: see the methods.",
     )
     for tool in _tools_for(spec, settings, tools, attrs["_judged_fields"]):
         attrs[tool.__name__] = tool
@@ -103,7 +113,7 @@ def environment_factory(address: str, env_id: str, config: Mapping[str, Any] | N
 
 class _Pool:
     """The open sessions of a factory's instances, so that closing the pool closes them all in one
-    call. The channel is the one every adapter shares for the address (see _common), closed at exit."""
+    call. The client is the one every adapter shares for the address (see _common), closed at exit."""
 
     def __init__(self, endpoint: Endpoint):
         self.endpoint = endpoint
@@ -289,7 +299,7 @@ class EnvServeEnvironment:
             text = result.reasoning.get(name, "")
             if text and text != "-":    # "-": the placeholder of a text the model did not give
                 field = JUDGED_FIELDS[name]
-                tasks.append(JudgeTask(f"{turn}:{field}", self.session_id, turn, field, text,
+                tasks.append(JudgeTask(f"{turn}:{field}", self._session.real_id, turn, field, text,
                                        episode=result.episode, env_id=self._env_id, trial=result.trial))
         future = self._judge.submit(tasks) if tasks else None
         self._pending.append((turn, {t.field: t.text for t in tasks}, future))

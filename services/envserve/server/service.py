@@ -307,7 +307,8 @@ class EnvService(pb_grpc.EnvServiceServicer):
     async def ListEnvs(self, request, context):
         await caller(context, self.r.auth.env_owner)
         return pb.ListEnvsResponse(envs=[convert.spec_to_proto(s) for s in self.r.specs.values()],
-                                   replica_id=self.r.replica_id)
+                                   replica_id=self.r.replica_id, live_sessions=len(self.r.sessions),
+                                   capacity=self.r.config.max_sessions, draining=self.r.draining)
 
     async def GetSpec(self, request, context):
         await caller(context, self.r.auth.env_owner)

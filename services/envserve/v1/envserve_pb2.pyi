@@ -58,12 +58,18 @@ class ListEnvsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListEnvsResponse(_message.Message):
-    __slots__ = ("envs", "replica_id")
+    __slots__ = ("envs", "replica_id", "live_sessions", "capacity", "draining")
     ENVS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    LIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     envs: _containers.RepeatedCompositeFieldContainer[EnvSpec]
     replica_id: str
-    def __init__(self, envs: _Optional[_Iterable[_Union[EnvSpec, _Mapping]]] = ..., replica_id: _Optional[str] = ...) -> None: ...
+    live_sessions: int
+    capacity: int
+    draining: bool
+    def __init__(self, envs: _Optional[_Iterable[_Union[EnvSpec, _Mapping]]] = ..., replica_id: _Optional[str] = ..., live_sessions: _Optional[int] = ..., capacity: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class GetSpecRequest(_message.Message):
     __slots__ = ("env_id",)
