@@ -175,6 +175,44 @@ class RedisProcess:
         self.stop()
 
 
+class Cluster:
+    """Replicas registered in one directory, by replica id; a killed one can come back."""
+
+    def __init__(self, redis_url: str, envs, ids, workers=1, env_vars=None, heartbeat=0.5):
+        self.url, self.envs, self.workers, self.env_vars = redis_url, list(envs), workers, env_vars
+        self.heartbeat = heartbeat
+        self.replicas: dict[str, ServerProcess] = {}
+        for rid in ids:
+            self.start(rid)
+        self.wait_listed(ids)
+
+    def start(self, rid: str, port: int = 0) -> ServerProcess:
+        self.replicas[rid] = ServerProcess(self.envs, workers=self.workers, metrics=False, env_vars=self.env_vars,
+                                           extra=["--directory", self.url, "--heartbeat-seconds", str(self.heartbeat),
+                                                  "--replica-id", rid, "--port", str(port)])
+        return self.replicas[rid]
+
+    def wait_listed(self, ids, timeout=60.0):
+        from envserve.directory import open_directory
+        directory = open_directory(self.url)
+        deadline = time.time() + timeout
+        try:
+            while time.time() < deadline:
+                try:
+                    if set(ids) <= {r.replica_id for r in directory.replicas()}:
+                        return
+                except Exception:
+                    pass
+                time.sleep(0.05)
+        finally:
+            directory.close()
+        raise AssertionError(f"directory never listed {ids}")
+
+    def close(self):
+        for p in self.replicas.values():
+            p.kill()
+
+
 def sapien_vulkan_problem() -> str:
     """Empty when SAPIEN (ManiSkill) can create its render device here, else why not; probed in a
     child, to keep the test process clean."""

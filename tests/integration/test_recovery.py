@@ -15,50 +15,13 @@ import pytest
 from envserve.client import AsyncRoutedClient, EnvClient, RoutedClient, messages as pb
 from envserve.client.experts import plain_answer
 from envserve.directory import open_directory, replica_of
-from serverproc import ServerProcess
+from serverproc import Cluster, ServerProcess
 
-HEARTBEAT = 0.5
 GRID = ["sokoban", "frozenlake", "minesweeper"]
 MOVES = {"sokoban": ["Up", "Right", "Down", "Left"], "frozenlake": ["Right", "Down", "Left", "Up"],
          "minesweeper": ["(0, 0)", "(2, 3)", "(5, 5)", "(1, 4)", "(4, 1)", "(3, 3)"]}
 LOST = grpc.StatusCode.DATA_LOSS.value[0]
 ENDED = grpc.StatusCode.FAILED_PRECONDITION.value[0]
-
-
-class Cluster:
-    """Replicas registered in one directory, by replica id; a killed one can come back."""
-
-    def __init__(self, redis_url: str, envs, ids, workers=1, env_vars=None):
-        self.url, self.envs, self.workers, self.env_vars = redis_url, list(envs), workers, env_vars
-        self.replicas: dict[str, ServerProcess] = {}
-        for rid in ids:
-            self.start(rid)
-        self.wait_listed(ids)
-
-    def start(self, rid: str, port: int = 0) -> ServerProcess:
-        self.replicas[rid] = ServerProcess(self.envs, workers=self.workers, metrics=False, env_vars=self.env_vars,
-                                           extra=["--directory", self.url, "--heartbeat-seconds", str(HEARTBEAT),
-                                                  "--replica-id", rid, "--port", str(port)])
-        return self.replicas[rid]
-
-    def wait_listed(self, ids, timeout=60.0):
-        directory = open_directory(self.url)
-        deadline = time.time() + timeout
-        try:
-            while time.time() < deadline:
-                try:
-                    if set(ids) <= {r.replica_id for r in directory.replicas()}:
-                        return
-                except Exception:
-                    pass
-                time.sleep(0.05)
-        finally:
-            directory.close()
-        raise AssertionError(f"directory never listed {ids}")
-
-    def close(self):
-        for p in self.replicas.values():
-            p.kill()
 
 
 @pytest.fixture

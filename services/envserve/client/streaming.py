@@ -2,19 +2,26 @@
 
 Frameworks call environments from plain threads, one blocking call at a time (a TRL tool, SkyRL's
 and GEM's `step`). A unary Step per call pays a whole gRPC call each time; here every call of the
-process runs on one background event loop (a daemon thread, made on first use and again in a
-forked child, whose parent's loop and channels do not survive the fork), through one
+process runs on one background event loop (a daemon thread, made on first use), through one
 AsyncRoutedClient with `stream_steps`: one Interact stream per replica, shared by every thread. A
 thread stepping alone writes and reads on the stream itself; threads that overlap share its
 messages. Routing (a directory URL, several addresses or one) and recovery are the routed
 client's.
+
+Fork (PyTorch's DataLoader starts its workers so): gRPC's core cannot be forked while a thread is
+inside it, and the loop's channels always are. So before a fork the process lets the calls in
+flight finish (new ones wait), closes every client's streams and channels and stops the loop;
+parent and child each start a loop again on their next call. Session histories survive the fork,
+so sessions the parent opened can still be stepped, and rebuilt, from either side.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import os
 import threading
+import weakref
 from typing import Any, Iterable, Mapping, Sequence
 
 import grpc
@@ -23,21 +30,70 @@ from envserve.v1 import envserve_pb2 as pb
 
 from .aio_routing import AsyncRoutedClient
 from .errors import make_error
-from .recovery import RecoverySettings
+from .recovery import RecoverySettings, SessionTable
 
 _LOCK = threading.Lock()
-_LOOP: list = [None, None]  # (pid, loop) of this process's background loop
+_LOOP: list = [None, None, None]  # (pid, loop, thread) of this process's background loop
+_CLIENTS: "weakref.WeakSet[StreamingClient]" = weakref.WeakSet()
+# Calls in flight on the loop, and whether a fork is being prepared (new calls wait for it).
+_FLIGHT = threading.Condition()
+_STATE = {"in_flight": 0, "forking": False}
+# How long a fork waits for the calls in flight to finish before closing the streams under them.
+FORK_WAIT = 30.0
 
 
 def process_loop() -> asyncio.AbstractEventLoop:
     """This process's background event loop, started on first use (again after a fork)."""
     with _LOCK:
-        pid, loop = _LOOP
+        pid, loop, _ = _LOOP
         if pid != os.getpid() or loop is None or loop.is_closed():
             loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="envserve-client-loop", daemon=True).start()
-            _LOOP[:] = [os.getpid(), loop]
+            thread = threading.Thread(target=loop.run_forever, name="envserve-client-loop", daemon=True)
+            thread.start()
+            _LOOP[:] = [os.getpid(), loop, thread]
         return loop
+
+
+def _before_fork() -> None:
+    with _FLIGHT:
+        _STATE["forking"] = True
+        _FLIGHT.wait_for(lambda: _STATE["in_flight"] == 0, FORK_WAIT)
+    pid, loop, thread = _LOOP
+    if pid != os.getpid() or loop is None or loop.is_closed():
+        return
+    for client in list(_CLIENTS):
+        client._drop_connections()
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5.0)
+    if not thread.is_alive():
+        loop.close()
+    _LOOP[:] = [None, None, None]
+    gc.collect()  # the closed channels freed now, not at some later collection
+
+
+def _after_fork(child: bool) -> None:
+    if child:
+        for client in list(_CLIENTS):
+            client._table._lock = threading.Lock()  # a parent's thread may have held it at the fork
+        _STATE["in_flight"] = 0
+    with _FLIGHT:
+        _STATE["forking"] = False
+        _FLIGHT.notify_all()
+
+
+_WATCHING = [False]
+
+
+def _watch_forks() -> None:
+    """Registers the fork hooks once, after this process's first call: gRPC registers its own fork
+    handlers when it first makes a channel, and hooks run in reverse order of registration, so
+    these must come later to quiesce the loop before gRPC checks for threads inside it."""
+    with _LOCK:
+        if _WATCHING[0] or not hasattr(os, "register_at_fork"):
+            return
+        _WATCHING[0] = True
+    os.register_at_fork(before=_before_fork, after_in_parent=lambda: _after_fork(False),
+                        after_in_child=lambda: _after_fork(True))
 
 
 class StreamingClient:
@@ -60,39 +116,66 @@ class StreamingClient:
         self._pid = -1
         self._client: AsyncRoutedClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # The histories outlive the routed clients made over time (after a fork, after close()).
+        self._table = SessionTable(recovery if isinstance(recovery, RecoverySettings)
+                                   else RecoverySettings(enabled=bool(recovery)))
+        _CLIENTS.add(self)
 
     @property
     def routed(self) -> AsyncRoutedClient:
-        """The AsyncRoutedClient behind this one, for this process (a forked child makes its own;
-        the sessions its parent opened keep their histories, so they can be rebuilt here too)."""
-        if self._pid != os.getpid():
+        """The AsyncRoutedClient behind this one in this process, on the process's loop (made again
+        after a fork or close())."""
+        client = self._client
+        if client is None or self._pid != os.getpid():
             with self._lock:
-                if self._pid != os.getpid():
-                    inherited = self._client.sessions if self._client is not None else None
+                if self._client is None or self._pid != os.getpid():
                     self._loop = process_loop()
                     self._client = AsyncRoutedClient(self.target, stream_steps=self.stream_steps, **self._kw)
-                    if inherited is not None:
-                        inherited._lock = threading.Lock()  # a parent's thread may have held it at the fork
-                        self._client.sessions = inherited
+                    self._client.sessions = self._table
                     self._pid = os.getpid()
-        return self._client
+                client = self._client
+        return client
+
+    def _drop_connections(self) -> None:
+        """Closes this process's streams and channels (a fork is coming); the next call makes them."""
+        with self._lock:
+            client, self._client = self._client, None
+            if client is None or self._pid != os.getpid():
+                return
+        try:
+            asyncio.run_coroutine_threadsafe(client.close(), self._loop).result(5.0)
+        except Exception:  # noqa: BLE001 (closing what may be broken already)
+            pass
 
     @property
-    def sessions(self):
+    def sessions(self) -> SessionTable:
         """The session table (caller ids, histories) recovery keeps."""
-        return self.routed.sessions
+        return self._table
 
     def _run(self, coro_fn, *args, timeout: "float | None | object" = ...):
-        client = self.routed
-        # Deadlines are the routed client's own (a call's, a stream item's), so a recovery may take
-        # its time; `timeout` here bounds only what has none of its own (a close).
-        wait = None if timeout is ... else timeout
-        future = asyncio.run_coroutine_threadsafe(coro_fn(client, *args), self._loop)
+        with _FLIGHT:
+            if _STATE["forking"]:
+                _FLIGHT.wait_for(lambda: not _STATE["forking"])
+            _STATE["in_flight"] += 1
         try:
-            return future.result(wait)
-        except concurrent.futures.TimeoutError:
-            future.cancel()  # the item's result, when it comes, goes nowhere; the stream stays usable
-            raise make_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {wait:g} s") from None
+            client = self.routed
+            # Deadlines are the routed client's own (a call's, a stream item's), so a recovery may
+            # take its time; `timeout` here bounds only what has none of its own (a close).
+            wait = None if timeout is ... else timeout
+            future = asyncio.run_coroutine_threadsafe(coro_fn(client, *args), self._loop)
+            try:
+                result = future.result(wait)
+                if not _WATCHING[0]:
+                    _watch_forks()
+                return result
+            except concurrent.futures.TimeoutError:
+                future.cancel()  # the item's result, when it comes, goes nowhere; the stream stays usable
+                raise make_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {wait:g} s") from None
+        finally:
+            with _FLIGHT:
+                _STATE["in_flight"] -= 1
+                if _STATE["forking"]:
+                    _FLIGHT.notify_all()
 
     # -- the calls ------------------------------------------------------------------------------------
     def open_sessions(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
@@ -138,12 +221,7 @@ class StreamingClient:
 
     def close(self) -> None:
         """Closes this process's streams and channels (a later call opens them again)."""
-        if self._pid == os.getpid() and self._client is not None:
-            client, self._client, self._pid = self._client, None, -1
-            try:
-                asyncio.run_coroutine_threadsafe(client.close(), self._loop).result(10)
-            except Exception:  # noqa: BLE001 (closing what may be gone already)
-                pass
+        self._drop_connections()
 
     def __enter__(self):
         return self

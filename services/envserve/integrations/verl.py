@@ -16,9 +16,14 @@ episode ends when the env says done or truncated, after `max_turns` turns, or wh
 reward; the session is closed at the end, also when anything fails.
 
 Settings, in increasing precedence: the agent-loop entry of `agent_loop_config_path` (keys passed to
-the constructor: address, env_id, env_config, action_format, max_turns, token, timeout), then the
+the constructor: address, env_id, env_config, action_format, max_turns, token, timeout, stream,
+recovery), then the
 dataset row (columns, or keys of its `extra_info`): env_id, env_config, action_format, seed, task_id,
-split. The address may also come from the ENVSERVE_ADDRESS variable.
+split. The address may also come from the ENVSERVE_ADDRESS variable. It is one replica's address,
+several (a list, or a string joined by commas) or a directory URL (`redis://host:6379/0`): sessions go
+to the least-loaded replica, and a session whose replica died or drained is rebuilt on a live one by
+replaying its history (`recovery: false` ends the episode instead). Steps travel on one Interact stream
+per replica and event loop, shared by the loop's rollouts (`stream: false`: a unary Step each).
 
     # agent_loops.yaml, named by actor_rollout_ref.rollout.agent.agent_loop_config_path
     - name: envserve_agent
@@ -45,7 +50,7 @@ import os
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 from uuid import uuid4
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
@@ -53,26 +58,33 @@ from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 from verl.utils.rollout_trace import rollout_trace_op
 
-from envserve.client import AsyncEnvClient, EnvClient, EnvServeError, item_error
+from envserve.client import AsyncRoutedClient, EnvServeError, RecoverySettings, item_error
+from envserve.client.recovery import SessionTable
 from envserve.client.experts import plain_answer, session_settings
 
-from ._common import (action_choices, content_blocks, error_text, feedback_and_observation, is_cell_space, pil_images,
-                      step_text)
+from ._common import (Endpoint, action_choices, content_blocks, error_text, feedback_and_observation, is_cell_space, pil_images,
+                      step_text, target_key)
 
 logger = logging.getLogger(__name__)
 
 AGENT_NAME = "envserve_agent"
 
-# One asyncio channel per (event loop, address, token): verl makes an agent loop per row, and a grpc
-# aio channel belongs to the loop it was made on. Channels of a finished loop go with it.
+# One routed client per (event loop, target, settings): verl makes an agent loop per row, and a grpc
+# aio channel (and the Interact streams on it) belongs to the loop it was made on; clients of a
+# finished loop go with it. Every loop's client of a target shares one session table, so a session
+# opened on one loop is routed, and rebuilt when lost, from any other.
 _clients: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict]" = weakref.WeakKeyDictionary()
+_tables: dict[tuple, SessionTable] = {}
 
 
-def _client(address: str, token: str | None, timeout: float | None) -> AsyncEnvClient:
+def _client(address: "str | Sequence[str]", token: str | None, timeout: float | None, stream: bool = True,
+            recovery: "bool | RecoverySettings" = True) -> AsyncRoutedClient:
     per_loop = _clients.setdefault(asyncio.get_running_loop(), {})
-    key = (address, token, timeout)
+    key = (target_key(address), token, timeout, bool(stream), recovery)
     if key not in per_loop:
-        per_loop[key] = AsyncEnvClient(address, timeout=timeout, token=token)
+        client = per_loop[key] = AsyncRoutedClient(key[0], token=token, timeout=timeout, stream_steps=bool(stream),
+                                                   recovery=recovery)
+        client.sessions = _tables.setdefault(key, client.sessions)
     return per_loop[key]
 
 
@@ -103,6 +115,8 @@ class EpisodeSettings:
     split: str = ""
     token: Optional[str] = None
     timeout: Optional[float] = 60.0
+    stream: bool = True
+    recovery: Any = True
 
 
 @register(AGENT_NAME)
@@ -111,13 +125,15 @@ class EnvServeAgentLoop(AgentLoopBase):
 
     def __init__(self, *args, address: str | None = None, env_id: str | None = None,
                  env_config: Mapping[str, Any] | None = None, action_format: str = "", max_turns: int = 0,
-                 token: str | None = None, timeout: float | None = 60.0, tools=None, **kwargs):
+                 token: str | None = None, timeout: float | None = 60.0, stream: bool = True,
+                 recovery: "bool | RecoverySettings" = True, tools=None, **kwargs):
         # `tools` (verl's tool list) and `name` (the registry entry's) are verl's; this loop has no tools.
         kwargs.pop("name", None)
         super().__init__(*args, **kwargs)
         self.defaults = dict(address=address or os.environ.get("ENVSERVE_ADDRESS", ""), env_id=env_id or "",
                              env_config=dict(_plain(env_config) or {}), action_format=action_format or "",
-                             max_turns=int(max_turns or 0), token=token, timeout=timeout)
+                             max_turns=int(max_turns or 0), token=token, timeout=timeout, stream=stream,
+                             recovery=recovery)
         self.response_length = int(self.rollout_config.response_length)
 
     def settings(self, row: Mapping[str, Any]) -> EpisodeSettings:
@@ -137,12 +153,13 @@ class EnvServeAgentLoop(AgentLoopBase):
             address=s["address"], env_id=str(s["env_id"]), env_config=dict(s.get("env_config") or {}),
             action_format=str(s.get("action_format") or ""), max_turns=int(s.get("max_turns") or 0),
             seed=None if seed is None or seed == "" else int(seed), task_id=str(s.get("task_id") or ""),
-            split=str(s.get("split") or ""), token=s.get("token"), timeout=s.get("timeout"))
+            split=str(s.get("split") or ""), token=s.get("token"), timeout=s.get("timeout"),
+            stream=bool(s.get("stream", True)), recovery=s.get("recovery", True))
 
     @rollout_trace_op
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
         s = self.settings(kwargs)
-        client = _client(s.address, s.token, s.timeout)
+        client = _client(s.address, s.token, s.timeout, s.stream, s.recovery)
         sids, system_prompt = await client.open_with_prompt(s.env_id, 1, s.env_config, s.action_format)
         sid = sids[0]
         try:
@@ -153,7 +170,7 @@ class EnvServeAgentLoop(AgentLoopBase):
             except Exception as e:  # the replica may be gone; its lease drops the session then
                 logger.warning("closing envserve session %s failed: %s", sid, e)
 
-    async def _episode(self, client: AsyncEnvClient, sid: str, system_prompt: str, s: EpisodeSettings,
+    async def _episode(self, client: AsyncRoutedClient, sid: str, system_prompt: str, s: EpisodeSettings,
                        sampling_params: dict[str, Any]) -> AgentLoopOutput:
         first = (await client.reset([sid], [s.seed], task_id=s.task_id, split=s.split))[0]
         err = item_error(first)
@@ -260,8 +277,8 @@ MAX_TRAJECTORIES = 65536
 
 class EnvServeTool(BaseTool):
     """One envserve session per tool instance (see the module's doc). config: type (verl's, "native"),
-    address, env_id, env_config, action_format, token, timeout, include_rules (create's response
-    starts with the env's rules), tools ("auto": `move(direction)` / `reveal(row, col)` from the
+    address (as the agent loop's), env_id, env_config, action_format, token, timeout, stream, recovery,
+    include_rules (create's response starts with the env's rules), tools ("auto": `move(direction)` / `reveal(row, col)` from the
     spec's action space, else "act": `act(action)`), per_trajectory. Without a `tool_schema` in the
     YAML, the schema is built from the env's spec.
 
@@ -282,8 +299,9 @@ class EnvServeTool(BaseTool):
         self.token = config.get("token")
         self.timeout = config.get("timeout", 60.0)
         self.include_rules = bool(config.get("include_rules", True))
-        with EnvClient(self.address, timeout=self.timeout, token=self.token) as c:
-            self.spec = c.get_spec(self.env_id)
+        self.stream = bool(config.get("stream", True))
+        self.recovery = config.get("recovery", True)
+        self.spec = Endpoint(self.address, self.token, self.timeout).spec(self.env_id)
         self.action_format = config.get("action_format") or self.spec.default_action_format or "no_think"
         plain_answer(self.action_format, ["x"])  # an unknown format fails here, not mid-rollout
         settings = session_settings(self.spec, self.env_config)
@@ -297,9 +315,9 @@ class EnvServeTool(BaseTool):
     def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
         return self._schema
 
-    def _client(self) -> AsyncEnvClient:
-        # The channel of the running event loop: the session lives on the server, any channel reaches it.
-        return _client(self.address, self.token, self.timeout)
+    def _client(self) -> AsyncRoutedClient:
+        # The running event loop's client: the session table is shared, so any loop's client reaches it.
+        return _client(self.address, self.token, self.timeout, self.stream, self.recovery)
 
     def session_id(self, instance_id: str) -> str:
         return self._instances[instance_id].session_id

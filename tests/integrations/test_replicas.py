@@ -1,0 +1,221 @@
+"""The adapters across replicas: TRL's environment_factory, SkyRL's and GEM's register given a
+directory URL or several addresses spread sessions over every replica; their steps ride one
+Interact stream per replica (or unary Steps, the same results); a forked data-loader worker steps
+its own; a replica killed -9 mid-rollout loses no rollout. Three real replicas, a real
+redis-server, each framework's own package making the environments."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import multiprocessing
+import threading
+
+import pytest
+
+from conftest import live_session_ids
+from envserve.client import AsyncRoutedClient
+from envserve.directory import replica_of
+from envserve.integrations import close_channels
+from envserve.integrations.trl import environment_factory
+from serverproc import Cluster, RedisProcess
+
+IDS = ["rep-a", "rep-b", "rep-c"]
+MOVES = ["Right", "Down", "Left", "Up", "Down", "Right"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    try:
+        redis = RedisProcess()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    with redis:
+        c = Cluster(redis.url, ["frozenlake", "sokoban"], IDS)
+        try:
+            yield c
+        finally:
+            c.close()
+            close_channels()
+
+
+def addresses(cluster) -> list[str]:
+    return [cluster.replicas[rid].address for rid in IDS]
+
+
+def held(cluster, env_id: str) -> dict[str, int]:
+    """Sessions of env_id each replica holds, as the replicas themselves report them."""
+    return {rid: len(live_session_ids(cluster.replicas[rid].address, env_id)) for rid in IDS}
+
+
+def assert_spread(counts: dict[str, int], total: int) -> None:
+    assert sum(counts.values()) == total, counts
+    assert min(counts.values()) >= 1, f"a replica got no session: {counts}"
+    assert max(counts.values()) - min(counts.values()) <= 2, counts
+
+
+def play(cls, seed: int, moves=MOVES) -> list[str]:
+    env = cls()
+    texts = [env.reset(seed=seed)]
+    texts += [env.move(m) for m in moves]
+    texts.append(env.get_reward())
+    return texts
+
+
+# -- spreading -------------------------------------------------------------------------------------
+def test_trl_rollouts_spread_over_every_replica_of_the_directory(cluster):
+    cls = environment_factory(cluster.url, "frozenlake", include_rules=False)
+    envs = [cls() for _ in range(12)]
+    for i, env in enumerate(envs):
+        env.reset(seed=i)
+    assert_spread(held(cluster, "frozenlake"), 12)
+    by_client = collections.Counter(replica_of(e._session.real_id) for e in envs)
+    assert set(by_client) == set(IDS)
+    cls.close()
+    assert sum(held(cluster, "frozenlake").values()) == 0
+
+
+def test_skyrl_and_gem_envs_spread_over_fixed_addresses(cluster):
+    skyrl_gym = pytest.importorskip("skyrl_gym")
+    gem = pytest.importorskip("gem")
+    from envserve.integrations import gem as gem_adapter
+    from envserve.integrations import skyrl as skyrl_adapter
+
+    (sky,) = skyrl_adapter.register(addresses(cluster), ["frozenlake"], prefix="spread-")
+    envs = [skyrl_gym.make(sky, env_config={}, extras={"seed": i}) for i in range(9)]
+    for env in envs:
+        env.init([])
+    assert_spread(held(cluster, "frozenlake"), 9)
+    for env in envs:
+        env.close()
+
+    (name,) = gem_adapter.register(",".join(addresses(cluster)), ["sokoban"], prefix="spread:")
+    envs = [gem.make(name) for _ in range(9)]
+    for i, env in enumerate(envs):
+        env.reset(seed=i)
+    assert_spread(held(cluster, "sokoban"), 9)
+    for env in envs:
+        env.close()
+    assert sum(held(cluster, "sokoban").values()) == 0
+
+
+# -- the stream and the unary path -----------------------------------------------------------------
+def test_stream_and_unary_paths_give_the_same_rollouts_from_many_threads(cluster):
+    streamed = environment_factory(cluster.url, "frozenlake", include_rules=False)
+    unary = environment_factory(cluster.url, "frozenlake", include_rules=False, stream=False)
+    out: dict[tuple[str, int], list[str]] = {}
+
+    def run(kind, cls, seed):
+        out[(kind, seed)] = play(cls, seed)
+    threads = [threading.Thread(target=run, args=(kind, cls, seed))
+               for seed in range(16) for kind, cls in (("stream", streamed), ("unary", unary))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(out) == 32
+    for seed in range(16):
+        assert out[("stream", seed)] == out[("unary", seed)]
+    # The rollouts differ by seed (a test that compared empty texts would pass anyway).
+    assert len({tuple(out[("stream", s)][:1]) for s in range(16)}) > 1
+    streamed.close()
+    unary.close()
+
+
+def test_a_call_cancelled_mid_way_leaves_the_stream_usable(cluster):
+    async def main():
+        async with AsyncRoutedClient(cluster.url, stream_steps=True) as client:
+            sids = await client.open("frozenlake", 3, {"max_turns": 1000})
+            await client.reset(sids, [1, 2, 3])
+            turns = {sid: 0 for sid in sids}
+            for k in range(40):
+                victim, other = sids[k % 3], sids[(k + 1) % 3]
+                task = asyncio.ensure_future(client.step([(victim, "<answer>Left</answer>")]))
+                for _ in range(k % 4):                       # cancelled at another point each round
+                    await asyncio.sleep(0)
+                task.cancel()
+                # The cancelled item may or may not have been stepped; the next one is answered,
+                # in order, and so is another session's on the same stream.
+                r = (await client.step([(victim, "<answer>Left</answer>")]))[0]
+                assert r.status.code == 0 and r.turn in (turns[victim] + 1, turns[victim] + 2), (k, r)
+                turns[victim] = r.turn
+                r = (await client.step([(other, "<answer>Left</answer>")]))[0]
+                assert r.status.code == 0 and r.turn == turns[other] + 1
+                turns[other] = r.turn
+            assert 1 <= len(client._streams) <= 3  # one stream per replica, reused after every cancel
+            await client.close_sessions(sids)
+    asyncio.run(main())
+
+
+# -- fork ------------------------------------------------------------------------------------------
+def _forked_worker(cls, parents_env, queue):
+    try:
+        mine = play(cls, 7)
+        inherited = parents_env.move("Down")    # a session the parent opened, stepped from the child
+        queue.put(("ok", mine, inherited))
+    except BaseException as e:  # noqa: BLE001 (reported to the parent)
+        queue.put(("error", repr(e), ""))
+
+
+def test_a_forked_data_loader_worker_steps_its_own_sessions(cluster):
+    cls = environment_factory(cluster.url, "frozenlake", include_rules=False)
+    expected = play(cls, 7)                         # the parent's loop thread and streams are running
+    parents = cls()
+    parents.reset(seed=3)
+    ctx = multiprocessing.get_context("fork")       # how PyTorch's DataLoader starts its workers
+    queue = ctx.Queue()
+    worker = ctx.Process(target=_forked_worker, args=(cls, parents, queue))
+    worker.start()
+    status, mine, inherited = queue.get(timeout=120)
+    worker.join(60)
+    assert status == "ok", mine
+    assert mine == expected
+    assert "Reward" in inherited
+    # The parent's client is untouched by the child's.
+    assert play(cls, 7) == expected
+    cls.close()
+
+
+# -- a replica killed -9 ---------------------------------------------------------------------------
+def test_a_killed_replicas_rollouts_are_rebuilt_and_the_others_go_on():
+    try:
+        redis = RedisProcess()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    with redis:
+        c = Cluster(redis.url, ["sokoban"], ["kill-a", "kill-b", "kill-c"])
+        try:
+            cls = environment_factory(c.url, "sokoban", include_rules=False)
+            ended = environment_factory(c.url, "sokoban", include_rules=False, recovery=False)
+            expected = {seed: play(cls, seed) for seed in range(9)}    # the same rollouts, no fault
+            envs = {seed: cls() for seed in range(9)}
+            plain = {seed: ended() for seed in range(9)}
+            texts = {seed: [env.reset(seed=seed)] for seed, env in envs.items()}
+            for seed, env in plain.items():
+                env.reset(seed=seed)
+            for seed, env in envs.items():
+                texts[seed] += [env.move(m) for m in MOVES[:3]]
+            # Sokoban's episodes outlast these moves, so every rollout is still going at the kill.
+            assert not any(env._done for env in envs.values())
+            victim = replica_of(envs[0]._session.real_id)
+            on_victim = [s for s, e in envs.items() if replica_of(e._session.real_id) == victim]
+            plain_on_victim = {s for s, e in plain.items() if replica_of(e._session.real_id) == victim}
+            assert plain_on_victim
+            c.replicas[victim].kill()
+            for seed, env in envs.items():
+                texts[seed] += [env.move(m) for m in MOVES[3:]]
+                texts[seed].append(env.get_reward())
+            assert texts == expected                       # every rollout, rebuilt or not, as without the fault
+            assert on_victim and all(replica_of(envs[s]._session.real_id) != victim for s in on_victim)
+            # Without recovery, the victim's rollouts end with text; the others go on.
+            for seed, env in plain.items():
+                out = env.move("Down")
+                if seed in plain_on_victim:
+                    # UNAVAILABLE while the directory still lists the victim, DATA_LOSS once it does not
+                    assert out.startswith(("Error: the environment failed (DATA_LOSS",
+                                           "Error: the environment failed (UNAVAILABLE")), out
+                else:
+                    assert not out.startswith("Error"), out
+            cls.close()
+            ended.close()
+        finally:
+            c.close()
