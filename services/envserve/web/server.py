@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 
@@ -14,11 +15,29 @@ def bind(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family, backlog=2048)
 
 
-def _server(app) -> uvicorn.Server:
+def _config(app, lifespan: str = "on") -> uvicorn.Config:
     # WebSocket frames go uncompressed: observations are small text or PNG already, and
     # per-message deflate cost more CPU per step than the rest of a frame (OpenEnv endpoint).
-    return uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                         ws_per_message_deflate=False))
+    return uvicorn.Config(app, log_level="warning", access_log=False, lifespan=lifespan,
+                          ws_per_message_deflate=False)
+
+
+def _server(app) -> uvicorn.Server:
+    return uvicorn.Server(_config(app))
+
+
+class _NoSignals(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):  # the host process keeps its own signal handlers
+        yield
+
+
+def start_on_loop(app, sock: socket.socket) -> tuple[uvicorn.Server, asyncio.Task]:
+    """uvicorn serving app on sock from the running event loop, beside whatever else runs
+    there (a replica's gRPC server), without taking over SIGINT/SIGTERM. Stop it by setting
+    .should_exit and awaiting the task."""
+    server = _NoSignals(_config(app, lifespan="off"))
+    return server, asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
 
 
 def display(host: str, port: int) -> str:
