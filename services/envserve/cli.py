@@ -25,7 +25,8 @@ def _server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--replica-id", default=os.environ.get("ENVSERVE_REPLICA_ID", ""))
     p.add_argument("--openenv-port", type=int, default=-1,
                    help="also serve OpenEnv's protocol at http://HOST:PORT/openenv/<env_id>/ (WebSocket /ws, "
-                        "/reset /step /state ...) from this process, no facade hop (-1: off, 0: any free port)")
+                        "/reset /step /state ...) from this process, no facade hop; plain HTTP even with --tls-cert, "
+                        "tokens checked as on gRPC (-1: off, 0: any free port)")
     p.add_argument("--openenv-host", default="", help="address of the OpenEnv endpoint (default: --host)")
     p.add_argument("--openenv-idle-seconds", type=float, default=300.0,
                    help="close OpenEnv sessions opened over plain HTTP after this many seconds without a call")
