@@ -1,23 +1,31 @@
-"""envserve's OpenEnv endpoint (`envserve web`, /openenv/<env>/ws) against OpenEnv 0.10's own server
+"""envserve's OpenEnv endpoints (a replica's own, `envserve serve --openenv-port`, and the facade's,
+`envserve web`, /openenv/<env>/ws) against OpenEnv 0.10's own server
 (openenv.core.env_server.create_fastapi_app under uvicorn) on a trivial env, over the same client.
 
 - OpenEnv side: a counter env written here on openenv's Environment base class (each step counts
-  and echoes the action text), in its own uvicorn process, as `openenv serve` runs one. Two
-  variants: `openenv` implements the plain reset/step methods (OpenEnv runs them in the session's
-  thread), `openenv_async` overrides reset_async/step_async (awaited on the event loop, no thread).
-- envserve side: `envserve serve` behind `envserve web`, on two envs: the same counter written
-  here as an envserve Environment (no trivial env is registered; the replica loads this one
-  through an entry point), and frozenlake, the smallest registered env (4x4, no turn limit here,
-  moves into the wall so an episode never ends). Both still go through envserve's whole step:
-  the action format's parser, rewards, the turn's ground truth kept for StateService.
+  and echoes the action text), in its own uvicorn process, as `openenv serve` runs one. Variants:
+  `openenv` implements the plain reset/step methods (OpenEnv runs them in the session's thread),
+  `openenv_async` overrides reset_async/step_async (awaited on the event loop, no thread); both
+  with envserve's uvicorn settings (no per-message deflate) on uvicorn's own WebSocket protocol.
+  `openenv_shipped` runs under uvicorn's defaults, as OpenEnv's env template does;
+  `openenv_envserve_ws` / `openenv_async_envserve_ws` on envserve's WebSocket protocol.
+- envserve side: the same counter written here as an envserve Environment (no trivial env is
+  registered; the replica loads this one through an entry point). `envserve_direct`: the replica
+  serves OpenEnv itself (no facade), one worker process; `envserve_direct_inline`: the same with
+  --inline (sessions step in the front process). `envserve_counter`: `envserve serve` behind
+  `envserve web`; `envserve_frozenlake`: frozenlake, the smallest registered env (4x4, no turn
+  limit here, moves into the wall so an episode never ends), behind the facade. All go through
+  envserve's whole step: the action format's parser, rewards, the turn's ground truth kept for
+  StateService.
 - The client is the `websockets` library sending exactly the messages OpenEnv's EnvClient sends
   ({"type": "step", "data": {"message": ...}}), one connection per session; the sides alternate
   in rounds so load on the machine hits them alike. Reported: steps/s over all sessions at
-  --sessions concurrent sockets, the CPU time the server's processes spent per step there
-  (envserve: replica front, workers and facade; OpenEnv: its one process), p50/p90 of one step
-  there, and p50 of one socket stepping alone.
+  --sessions concurrent sockets, the CPU time the server's processes spent per step there, by
+  process (envserve: facade, replica front, workers; OpenEnv: its one process), and the bench
+  client's own, p50/p90 of one step there, and p50 of one socket stepping alone.
 
     python bench/openenv_endpoint.py --json
+    python bench/openenv_endpoint.py --sides envserve_direct,envserve_counter,openenv,openenv_async
 """
 from __future__ import annotations
 
@@ -76,7 +84,7 @@ def counter_distribution(folder: Path) -> str:
 
 
 # -- OpenEnv's own server, in a child process ---------------------------------------------------------
-def serve_openenv(port: int, use_async: bool, as_shipped: bool = False) -> None:
+def serve_openenv(port: int, use_async: bool, as_shipped: bool = False, envserve_ws: bool = False) -> None:
     from openenv.core.env_server import Action, Environment, Observation, State, create_fastapi_app
 
     class CounterAction(Action):
@@ -123,16 +131,22 @@ def serve_openenv(port: int, use_async: bool, as_shipped: bool = False) -> None:
         import uvicorn
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     else:
-        # With the same uvicorn settings as `envserve web` (envserve.web.server._server).
-        from envserve.web.server import _server
-        server = _server(app)
+        # With the same uvicorn settings as `envserve web` (no per-message deflate, no access log),
+        # on uvicorn's own WebSocket protocol; with envserve_ws, on envserve's (which stops reading
+        # a socket only once 16 messages wait, envserve.web.server.WebSocketProtocol).
+        import uvicorn
+
+        from envserve.web.server import WebSocketProtocol
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                                               ws_per_message_deflate=False,
+                                               ws=WebSocketProtocol if envserve_ws else "auto"))
     asyncio.run(server.serve(sockets=[sock]))
 
 
 class OpenEnvProcess:
-    def __init__(self, use_async: bool, as_shipped: bool = False):
+    def __init__(self, use_async: bool, as_shipped: bool = False, envserve_ws: bool = False):
         cmd = [sys.executable, "-u", __file__, "--serve-openenv"] + (["--async-env"] if use_async else []) \
-            + (["--as-shipped"] if as_shipped else [])
+            + (["--as-shipped"] if as_shipped else []) + (["--envserve-ws"] if envserve_ws else [])
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=dict(os.environ, ENABLE_WEB_INTERFACE="false"))
         out = []
@@ -159,19 +173,21 @@ async def open_socket(url: str, reset: dict):
     return ws
 
 
-def cpu_seconds(pids: list[int]) -> float:
+def cpu_seconds(roles: dict[str, list[int]]) -> dict[str, float]:
     import psutil
-    total = 0.0
-    for pid in pids:
-        t = psutil.Process(pid).cpu_times()
-        total += t.user + t.system
-    return total
+    out = {}
+    for role, pids in roles.items():
+        out[role] = 0.0
+        for pid in pids:
+            t = psutil.Process(pid).cpu_times()
+            out[role] += t.user + t.system
+    return out
 
 
 async def run_side(side: tuple[str, dict, list[int]], sessions: int, seconds: float, warmup: float = 0.5) -> dict:
     """`sessions` sockets stepping as fast as their replies come for `seconds` (after a warm-up);
     also the CPU time the server's processes spent per step meanwhile."""
-    url, reset, pids = side
+    url, reset, roles = side
     sockets = await asyncio.gather(*[open_socket(url, reset) for _ in range(sessions)])
     latencies: list[list[float]] = [[] for _ in sockets]
     phase = {"record": False, "stop": False}
@@ -191,12 +207,15 @@ async def run_side(side: tuple[str, dict, list[int]], sessions: int, seconds: fl
     tasks = [asyncio.create_task(loop(k)) for k in range(sessions)]
     await asyncio.sleep(warmup)
     phase["record"] = True
-    cpu0 = cpu_seconds(pids)
+    cpu0 = cpu_seconds(roles)
+    client0 = time.process_time()
     t0 = time.perf_counter()
     await asyncio.sleep(seconds)
     phase["record"] = False
     elapsed = time.perf_counter() - t0
-    cpu = cpu_seconds(pids) - cpu0
+    cpu1 = cpu_seconds(roles)
+    client = time.process_time() - client0
+    cpu = {role: cpu1[role] - cpu0[role] for role in roles}
     phase["stop"] = True
     await asyncio.gather(*tasks)
     for ws in sockets:
@@ -204,15 +223,37 @@ async def run_side(side: tuple[str, dict, list[int]], sessions: int, seconds: fl
         await ws.close()
     flat = sorted(x for lat in latencies for x in lat)
     return {"steps": len(flat), "seconds": elapsed, "steps_per_s": len(flat) / elapsed, "cpu_s": cpu,
+            "client_cpu_s": client,
             "p50_ms": 1e3 * flat[len(flat) // 2], "p90_ms": 1e3 * flat[int(len(flat) * 0.9)]}
 
 
 def merge(rounds: list[dict]) -> dict:
     steps = sum(r["steps"] for r in rounds)
+    roles = rounds[0]["cpu_s"]
     return {"steps": steps, "steps_per_s": steps / sum(r["seconds"] for r in rounds),
-            "server_cpu_us_per_step": 1e6 * sum(r["cpu_s"] for r in rounds) / steps,
+            "server_cpu_us_per_step": 1e6 * sum(sum(r["cpu_s"].values()) for r in rounds) / steps,
+            "client_cpu_us_per_step": 1e6 * sum(r["client_cpu_s"] for r in rounds) / steps,
+            "cpu_us_per_step_by_role": {role: 1e6 * sum(r["cpu_s"][role] for r in rounds) / steps for role in roles},
             "p50_ms": statistics.median(r["p50_ms"] for r in rounds),
             "p90_ms": statistics.median(r["p90_ms"] for r in rounds)}
+
+
+SIDES = {
+    "envserve_counter": "CounterEnv as an envserve env (this bench), through `envserve web`",
+    "envserve_frozenlake": "frozenlake 4x4, no_think, moves into the wall, through `envserve web`",
+    "envserve_direct": "CounterEnv, OpenEnv served by the replica itself (`envserve serve --openenv-port`), "
+                       "one worker process",
+    "envserve_direct_inline": "the same with --inline (sessions step in the replica's front process)",
+    "openenv": "CounterEnv on openenv's Environment, sync reset/step (this bench)",
+    "openenv_async": "the same with reset_async/step_async",
+    "openenv_shipped": "the sync one under uvicorn's defaults, as OpenEnv's env template serves it "
+                       "(per-message deflate on)",
+    "openenv_envserve_ws": "the sync one on envserve's WebSocket protocol (reads paused only once 16 "
+                           "messages wait)",
+    "openenv_async_envserve_ws": "the async one on envserve's WebSocket protocol",
+}
+DEFAULT_SIDES = tuple(SIDES)
+_OPENENV_LINE = re.compile(r"envserve openenv on (http://\S+)")
 
 
 def main() -> int:
@@ -221,75 +262,95 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=3.0, help="per side per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workers", type=int, default=1, help="envserve replica workers")
+    ap.add_argument("--sides", default=",".join(DEFAULT_SIDES),
+                    help="comma-separated sides to run, of: " + ", ".join(SIDES))
     ap.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
     ap.add_argument("--serve-openenv", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--async-env", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--as-shipped", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--envserve-ws", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_openenv:
-        serve_openenv(0, args.async_env, args.as_shipped)
+        serve_openenv(0, args.async_env, args.as_shipped, args.envserve_ws)
         return 0
+    wanted = [x.strip() for x in args.sides.split(",") if x.strip()]
+    unknown = set(wanted) - set(SIDES)
+    if unknown:
+        ap.error(f"unknown sides {sorted(unknown)}; known: {list(SIDES)}")
 
+    import contextlib
     import tempfile
 
     import openenv
     from serverproc import ServerProcess
     from webproc import WebProcess
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         path = os.pathsep.join(filter(None, [counter_distribution(Path(tmp)), os.environ.get("PYTHONPATH", "")]))
-        with ServerProcess(["counter", ENV_ID], workers=args.workers, metrics=False,
-                           env_vars={"PYTHONPATH": path}) as server, WebProcess.facade([server.address]) as web:
-            # Sessions that never end: no turn limit (set at reset, which reopens the session).
-            mine = [server.proc.pid, web.proc.pid, *server.worker_pids()]  # front, facade, workers
-            sides = {"envserve_counter": (f"{web.url}/openenv/counter", {"seed": 0}, mine),
-                     "envserve_frozenlake": (f"{web.url}/openenv/{ENV_ID}",
-                                             {"seed": 0, "config": CONFIG, "action_format": "no_think"}, mine)}
-            children = []
-            try:
-                for name, use_async, as_shipped in (("openenv", False, False), ("openenv_async", True, False),
-                                                    ("openenv_shipped", False, True)):
-                    p = OpenEnvProcess(use_async, as_shipped)
-                    children.append(p)
-                    sides[name] = (p.url, {"seed": 0}, [p.proc.pid])
-                concurrent = {name: [] for name in sides}
-                alone = {name: [] for name in sides}
+        env_vars = {"PYTHONPATH": path}
+        # side name -> (base url, reset data, {role: pids}); CPU is reported per role.
+        sides: dict[str, tuple] = {}
+        if {"envserve_counter", "envserve_frozenlake"} & set(wanted):
+            server = stack.enter_context(ServerProcess(["counter", ENV_ID], workers=args.workers, metrics=False,
+                                                       env_vars=env_vars))
+            web = stack.enter_context(WebProcess.facade([server.address]))
+            roles = {"facade": [web.proc.pid], "front": [server.proc.pid], "workers": server.worker_pids()}
+            if "envserve_counter" in wanted:
+                sides["envserve_counter"] = (f"{web.url}/openenv/counter", {"seed": 0}, roles)
+            if "envserve_frozenlake" in wanted:
+                # Sessions that never end: no turn limit (set at reset, which reopens the session).
+                sides["envserve_frozenlake"] = (f"{web.url}/openenv/{ENV_ID}",
+                                                {"seed": 0, "config": CONFIG, "action_format": "no_think"}, roles)
+        for name, inline in (("envserve_direct", False), ("envserve_direct_inline", True)):
+            if name not in wanted:
+                continue
+            extra = ["--openenv-port", "0"] + (["--inline"] if inline else [])
+            direct = stack.enter_context(ServerProcess(["counter"], workers=args.workers, metrics=False,
+                                                       env_vars=env_vars, extra=extra))
+            url = _OPENENV_LINE.search("".join(direct.output)).group(1)
+            roles = {"front": [direct.proc.pid], "workers": [] if inline else direct.worker_pids()}
+            sides[name] = (f"{url}/counter", {"seed": 0}, roles)
+        for name, use_async, as_shipped, envserve_ws in (
+                ("openenv", False, False, False), ("openenv_async", True, False, False),
+                ("openenv_shipped", False, True, False), ("openenv_envserve_ws", False, False, True),
+                ("openenv_async_envserve_ws", True, False, True)):
+            if name in wanted:
+                p = OpenEnvProcess(use_async, as_shipped, envserve_ws)
+                stack.callback(p.kill)
+                sides[name] = (p.url, {"seed": 0}, {"server": [p.proc.pid]})
+        sides = {name: sides[name] for name in wanted}
+        concurrent = {name: [] for name in sides}
+        alone = {name: [] for name in sides}
 
-                async def bench():
-                    for side in sides.values():  # warm up every server once
-                        await run_side(side, 4, 0.3, warmup=0.1)
-                    for _ in range(args.rounds):
-                        for name, side in sides.items():
-                            concurrent[name].append(await run_side(side, args.sessions, args.seconds))
-                        for name, side in sides.items():
-                            alone[name].append(await run_side(side, 1, args.seconds / 2))
-                asyncio.run(bench())
-            finally:
-                for p in children:
-                    p.kill()
+        async def bench():
+            for side in sides.values():  # warm up every server once
+                await run_side(side, 4, 0.3, warmup=0.1)
+            for _ in range(args.rounds):
+                for name, side in sides.items():
+                    concurrent[name].append(await run_side(side, args.sessions, args.seconds))
+                for name, side in sides.items():
+                    alone[name].append(await run_side(side, 1, args.seconds / 2))
+        asyncio.run(bench())
 
     results = {name: {**merge(concurrent[name]), "alone_p50_ms": statistics.median(r["p50_ms"] for r in alone[name])}
                for name in sides}
     summary = {"sessions": args.sessions, "rounds": args.rounds, "seconds": args.seconds,
                "replica_workers": args.workers, "openenv_version": openenv.__version__,
-               "envs": {"envserve_counter": "CounterEnv as an envserve env (this bench)",
-                        "envserve_frozenlake": "frozenlake 4x4, no_think, moves into the wall",
-                        "openenv": "CounterEnv on openenv's Environment, sync reset/step (this bench)",
-                        "openenv_async": "the same with reset_async/step_async",
-                        "openenv_shipped": "the sync one under uvicorn's defaults, as OpenEnv's env template "
-                                           "serves it (per-message deflate on)"},
-               **results}
-    for mine in ("envserve_counter", "envserve_frozenlake"):
-        for theirs in ("openenv", "openenv_async", "openenv_shipped"):
-            summary[f"ratio_{mine}_vs_{theirs}"] = results[mine]["steps_per_s"] / results[theirs]["steps_per_s"]
-    print(f"| server | steps/s at {args.sessions} sockets | server CPU us/step | p50 ms | p90 ms | one socket p50 ms |\n"
-          "|---|---|---|---|---|---|")
+               "envs": {name: SIDES[name] for name in sides}, **results}
+    mine = [n for n in sides if n.startswith("envserve")]
+    theirs = [n for n in sides if n.startswith("openenv")]
+    for m in mine:
+        for t in theirs:
+            summary[f"ratio_{m}_vs_{t}"] = results[m]["steps_per_s"] / results[t]["steps_per_s"]
+    print(f"| server | steps/s at {args.sessions} sockets | server CPU us/step (by process) | p50 ms | p90 ms "
+          "| one socket p50 ms |\n|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['steps_per_s']:.0f} | {r['server_cpu_us_per_step']:.0f} | {r['p50_ms']:.2f} | "
+        parts = ", ".join(f"{role} {us:.0f}" for role, us in r["cpu_us_per_step_by_role"].items())
+        parts += f"; client {r['client_cpu_us_per_step']:.0f}"
+        print(f"| {name} | {r['steps_per_s']:.0f} | {r['server_cpu_us_per_step']:.0f} ({parts}) | {r['p50_ms']:.2f} | "
               f"{r['p90_ms']:.2f} | {r['alone_p50_ms']:.2f} |")
-    print(f"envserve counter / openenv counter: {summary['ratio_envserve_counter_vs_openenv']:.2f}x "
-          f"(async env: {summary['ratio_envserve_counter_vs_openenv_async']:.2f}x, "
-          f"as shipped: {summary['ratio_envserve_counter_vs_openenv_shipped']:.2f}x); target >= 2x")
+    for m in mine:
+        print(f"{m}: " + ", ".join(f"{summary[f'ratio_{m}_vs_{t}']:.2f}x {t}" for t in theirs))
     if args.json:
         print(json.dumps(summary))
     return 0

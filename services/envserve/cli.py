@@ -23,6 +23,13 @@ def _server_args(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="on SIGTERM, leave live sessions to end with this replica instead of moving them")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
     p.add_argument("--replica-id", default=os.environ.get("ENVSERVE_REPLICA_ID", ""))
+    p.add_argument("--openenv-port", type=int, default=-1,
+                   help="also serve OpenEnv's protocol at http://HOST:PORT/openenv/<env_id>/ (WebSocket /ws, "
+                        "/reset /step /state ...) from this process, no facade hop; plain HTTP even with --tls-cert, "
+                        "tokens checked as on gRPC (-1: off, 0: any free port)")
+    p.add_argument("--openenv-host", default="", help="address of the OpenEnv endpoint (default: --host)")
+    p.add_argument("--openenv-idle-seconds", type=float, default=300.0,
+                   help="close OpenEnv sessions opened over plain HTTP after this many seconds without a call")
     # Containers and pods set these through the environment.
     env = os.environ.get
     p.add_argument("--directory", default=env("ENVSERVE_DIRECTORY", "memory://"),
@@ -50,7 +57,8 @@ def _config(args, env_ids):
                         max_sessions=args.max_sessions, lease_seconds=args.lease_seconds,
                         metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                         drain_timeout_seconds=args.drain_timeout, migrate_on_drain=args.migrate_on_drain,
-                        replica_id=args.replica_id,
+                        replica_id=args.replica_id, openenv_port=args.openenv_port,
+                        openenv_host=args.openenv_host, openenv_idle_seconds=args.openenv_idle_seconds,
                         directory_url=args.directory, advertise_address=args.advertise,
                         external_address=args.external_address, heartbeat_seconds=args.heartbeat_seconds,
                         tokens=read_tokens(args.token_file, os.environ.get("ENVSERVE_TOKENS", "")),

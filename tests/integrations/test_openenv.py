@@ -1,5 +1,7 @@
-"""The OpenEnv endpoint (`envserve web`, /openenv/<env_id>/) driven by the openenv package's own
-async client (GenericEnvClient), in front of the real grid server on loopback."""
+"""The OpenEnv endpoint (/openenv/<env_id>/) driven by the openenv package's own async client
+(GenericEnvClient), served two ways, each test running on both: by the facade (`envserve web`) in
+front of the real grid server on loopback, and by a replica itself (`envserve serve
+--openenv-port`, no facade). The replica's own record (MonitorService, StateService) is the truth."""
 from __future__ import annotations
 
 import asyncio
@@ -18,15 +20,33 @@ from envserve.client import EnvClient  # noqa: E402
 from envserve.client.experts import plain_answer, plan_frozenlake, plan_sokoban  # noqa: E402
 from envserve.v1 import envserve_pb2 as pb  # noqa: E402
 from envserve.v1 import envserve_pb2_grpc as pb_grpc  # noqa: E402
+from serverproc import ServerProcess  # noqa: E402
 from webproc import WebProcess  # noqa: E402
 
 IDLE_SECONDS = 3.0
 
 
-@pytest.fixture(scope="module")
-def web(grid_server):
-    with WebProcess.facade([grid_server.address], extra=["--openenv-idle-seconds", str(IDLE_SECONDS)]) as w:
-        yield w
+class Endpoint:
+    """Where OpenEnv clients go (url + /openenv/<env_id>) and the replica behind it (address)."""
+
+    def __init__(self, url: str, address: str):
+        self.url, self.address = url, address
+
+
+@pytest.fixture(scope="module", params=["facade", "replica"])
+def web(request):
+    idle = ["--openenv-idle-seconds", str(IDLE_SECONDS)]
+    if request.param == "facade":
+        grid_server = request.getfixturevalue("grid_server")
+        with WebProcess.facade([grid_server.address], extra=idle) as w:
+            yield Endpoint(w.url, grid_server.address)
+    else:
+        with ServerProcess(["sokoban", "frozenlake", "minesweeper"], workers=2, metrics=False,
+                           extra=["--openenv-port", "0", *idle]) as server:
+            line = next(x for x in server.output if "envserve openenv on " in x)
+            url = line.split("envserve openenv on ")[1].split()[0]
+            assert url.endswith("/openenv")
+            yield Endpoint(url[:-len("/openenv")], server.address)
 
 
 def live(address: str, env_id: str = "") -> dict[str, pb.SessionSummary]:
@@ -68,10 +88,10 @@ async def play(env: GenericEnvClient, address: str, planner, seed: int) -> tuple
 
 
 @pytest.mark.parametrize("env_id,planner,seed", [("sokoban", plan_sokoban, 4), ("frozenlake", plan_frozenlake, 7)])
-def test_a_whole_episode_through_openenvs_own_client(web, grid_server, env_id, planner, seed):
+def test_a_whole_episode_through_openenvs_own_client(web, env_id, planner, seed):
     async def run():
         async with client(web, env_id) as env:
-            results, plan, state = await play(env, grid_server.address, planner, seed)
+            results, plan, state = await play(env, web.address, planner, seed)
             first, last = results[0], results[-1]
             assert first.done is False and "P" in first.observation["text"]
             assert first.metadata["env_id"] == env_id and first.metadata["system_prompt"]
@@ -83,7 +103,7 @@ def test_a_whole_episode_through_openenvs_own_client(web, grid_server, env_id, p
             assert state["step_count"] == len(plan) and state["turn"] == len(plan) and state["done"] is True
             assert state["episode_return"] == pytest.approx(sum(r.reward for r in results[1:]))
             assert state["action_format"] == "no_think"
-            mine = live(grid_server.address, env_id)[state["session_id"]]
+            mine = live(web.address, env_id)[state["session_id"]]
             assert (mine.turn, mine.done, mine.success, mine.action_format) == (len(plan), True, True, "no_think")
             assert mine.observation_text == last.observation["text"]
     asyncio.run(run())
@@ -103,7 +123,7 @@ def test_same_seed_same_first_observation_and_the_turn_data(web):
     asyncio.run(run())
 
 
-def test_a_second_clients_steps_never_touch_the_first_session(web, grid_server):
+def test_a_second_clients_steps_never_touch_the_first_session(web):
     async def run():
         async with client(web, "frozenlake") as a, client(web, "frozenlake") as b:
             await a.reset(seed=2, action_format="no_think")
@@ -114,11 +134,11 @@ def test_a_second_clients_steps_never_touch_the_first_session(web, grid_server):
                 await b.step({"message": f"<answer>{move}</answer>"})
             sa, sb = await a.state(), await b.state()
             assert (sa["step_count"], sb["step_count"]) == (1, 3)
-            on_server = live(grid_server.address, "frozenlake")
+            on_server = live(web.address, "frozenlake")
             assert (on_server[ida].turn, on_server[idb].turn) == (1, 3)
             assert on_server[ida].last_action == "<answer>Right</answer>"
             assert on_server[idb].last_action == "<answer>Up</answer>"
-            # Concurrent steps on both sockets (one shared stream to the replica underneath).
+            # Concurrent steps on both sockets (batched together underneath).
             ra, rb = await asyncio.gather(a.step({"message": "<answer>Down</answer>"}),
                                           b.step({"message": "<answer>Right</answer>"}))
             assert (ra.metadata["session_id"], rb.metadata["session_id"]) == (ida, idb)
@@ -126,29 +146,29 @@ def test_a_second_clients_steps_never_touch_the_first_session(web, grid_server):
     asyncio.run(run())
 
 
-def test_closing_the_socket_closes_the_envserve_session(web, grid_server):
+def test_closing_the_socket_closes_the_envserve_session(web):
     async def run():
         env = client(web, "minesweeper")
         await env.connect()
         await env.reset(seed=1)
         sid = (await env.state())["session_id"]
-        assert sid in live(grid_server.address, "minesweeper")
+        assert sid in live(web.address, "minesweeper")
         await env.close()
         return sid
 
     sid = asyncio.run(run())
-    wait_until(lambda: sid not in live(grid_server.address, "minesweeper"), "the session closed with its socket")
+    wait_until(lambda: sid not in live(web.address, "minesweeper"), "the session closed with its socket")
     # A socket dropped without OpenEnv's close message closes its session too.
     from websockets.sync.client import connect
     import json
     with connect(web.url.replace("http://", "ws://") + "/openenv/sokoban/ws") as ws:
         ws.send(json.dumps({"type": "state"}))
         dropped = json.loads(ws.recv())["data"]["session_id"]
-        assert dropped in live(grid_server.address, "sokoban")
-    wait_until(lambda: dropped not in live(grid_server.address, "sokoban"), "a dropped socket's session closed")
+        assert dropped in live(web.address, "sokoban")
+    wait_until(lambda: dropped not in live(web.address, "sokoban"), "a dropped socket's session closed")
 
 
-def test_http_sessions_step_and_are_reclaimed_when_idle(web, grid_server):
+def test_http_sessions_step_and_are_reclaimed_when_idle(web):
     base = f"{web.url}/openenv/frozenlake"
     with httpx.Client(timeout=30) as http:
         r = http.post(f"{base}/reset", json={"seed": 7, "action_format": "no_think"})
@@ -156,7 +176,7 @@ def test_http_sessions_step_and_are_reclaimed_when_idle(web, grid_server):
         body = r.json()
         assert set(body) == {"observation", "reward", "done", "metadata"}
         sid = body["metadata"]["session_id"]
-        assert sid in live(grid_server.address, "frozenlake")
+        assert sid in live(web.address, "frozenlake")
         r = http.post(f"{base}/step", json={"session_id": sid, "action": {"message": "<answer>Down</answer>"}})
         assert r.status_code == 200 and r.json()["metadata"]["turn"] == 1
         assert http.get(f"{base}/state", params={"session_id": sid}).json()["step_count"] == 1
@@ -167,17 +187,17 @@ def test_http_sessions_step_and_are_reclaimed_when_idle(web, grid_server):
         for _ in range(3):
             time.sleep(IDLE_SECONDS * 0.3)
             assert http.get(f"{base}/state", params={"session_id": sid}).status_code == 200
-        assert sid in live(grid_server.address, "frozenlake")
-        wait_until(lambda: sid not in live(grid_server.address, "frozenlake"), "the idle session was reclaimed")
+        assert sid in live(web.address, "frozenlake")
+        wait_until(lambda: sid not in live(web.address, "frozenlake"), "the idle session was reclaimed")
         r = http.post(f"{base}/step", json={"session_id": sid, "action": {"message": "<answer>Down</answer>"}})
         assert r.status_code == 404 and "reclaimed" in r.json()["message"]
         # An explicit close works too.
         sid2 = http.post(f"{base}/reset", json={"seed": 1}).json()["metadata"]["session_id"]
         assert http.post(f"{base}/close", json={"session_id": sid2}).json()["closed"] is True
-        assert sid2 not in live(grid_server.address, "frozenlake")
+        assert sid2 not in live(web.address, "frozenlake")
 
 
-def test_a_socket_can_attach_to_an_http_session_and_keeps_it_alive(web, grid_server):
+def test_a_socket_can_attach_to_an_http_session_and_keeps_it_alive(web):
     base = f"{web.url}/openenv/frozenlake"
     sid = httpx.post(f"{base}/reset", json={"seed": 7}).json()["metadata"]["session_id"]
 
@@ -190,8 +210,8 @@ def test_a_socket_can_attach_to_an_http_session_and_keeps_it_alive(web, grid_ser
             r = await env.step({"message": "<think>-</think><answer>Down</answer>"})
             assert r.metadata["session_id"] == sid and r.metadata["valid_action"]
     asyncio.run(run())
-    assert sid in live(grid_server.address, "frozenlake")      # the socket did not own it
-    wait_until(lambda: sid not in live(grid_server.address, "frozenlake"), "reclaimed once detached and idle")
+    assert sid in live(web.address, "frozenlake")      # the socket did not own it
+    wait_until(lambda: sid not in live(web.address, "frozenlake"), "reclaimed once detached and idle")
 
 
 def test_invalid_actions_are_feedback_and_bad_messages_errors_on_a_live_socket(web):

@@ -71,6 +71,7 @@ class ReplicaServer:
         self.started_unix = time.time()
         self._heartbeat: asyncio.Task | None = None
         self._stopped = asyncio.Event()
+        self.openenv = None  # openenv_front.OpenEnvFront, with --openenv-port
 
     async def start(self) -> int:
         opts = [*server_options(self.config.max_message_bytes, self.config.max_pending_calls), ("grpc.so_reuseport", 0)]
@@ -90,6 +91,11 @@ class ReplicaServer:
         if self.config.metrics_port >= 0:
             self.metrics_port = self.metrics.serve_http(self.config.metrics_host, self.config.metrics_port)
         await self.server.start()
+        if self.config.openenv_port >= 0:
+            from .openenv_front import OpenEnvFront
+            self.openenv = OpenEnvFront(self.replica, self.config.openenv_host or self.config.host,
+                                        self.config.openenv_port, self.config.openenv_idle_seconds)
+            self.openenv.start()
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.directory = open_directory(self.config.directory_url)
@@ -177,6 +183,8 @@ class ReplicaServer:
                 await asyncio.wait_for(asyncio.to_thread(self.directory.deregister, self.replica.replica_id), 3)
             except Exception as e:  # the TTL removes it anyway
                 log.warning("deregister failed: %s", e)
+        if self.openenv is not None:
+            await self.openenv.stop()
         if self.server is not None:
             await self.server.stop(grace=1.0)
         await self.replica.close()
@@ -196,6 +204,8 @@ async def serve_forever(config: ServerConfig, ready=None) -> None:
     envs = ", ".join(config.env_ids)
     extra = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
     inline = " (sessions step in this process)" if config.inline else ""
+    if server.openenv is not None:
+        print(f"envserve openenv on {server.openenv.url} (/<env_id>/ws)", flush=True)
     print(f"envserve serving {envs} on {server.address} with {config.resolved_workers()} workers{extra}{inline}",
           flush=True)
     if ready is not None:

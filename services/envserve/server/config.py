@@ -33,6 +33,11 @@ class ServerConfig:
     # limit cancelled calls beyond 1,000 waiting ones).
     max_pending_calls: int = 65_536
     replica_id: str = ""
+    # Also serve OpenEnv's protocol (WebSocket /openenv/<env>/ws and its HTTP routes) from this
+    # process, straight to the workers (-1: off; 0: a free port); host "" means `host`.
+    openenv_port: int = -1
+    openenv_host: str = ""
+    openenv_idle_seconds: float = 300.0
     # The directory replicas register in (memory:// in this process, or redis://host:port/db).
     directory_url: str = "memory://"
     advertise_address: str = ""  # host:port others reach this replica on; default host:port

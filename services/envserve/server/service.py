@@ -28,6 +28,14 @@ OK = 0
 LOST = "DATA_LOSS"
 
 
+class Refused(Exception):
+    """A call refused as a whole, with the gRPC status it answers."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
 @dataclass
 class SessionRecord:
     env_id: str
@@ -245,6 +253,55 @@ class Replica:
         await asyncio.gather(*[self.pool.call(w, "close", sids) for w, sids in by_worker.values()],
                              return_exceptions=True)
 
+    # -- opening sessions -----------------------------------------------------------------
+    async def open(self, env_id: str, count: int, config: dict, action_format: str,
+                   owner: str = "") -> tuple[list[str], str]:
+        """Opens count sessions of env_id (0: one) spread over the workers: (ids, system prompt).
+        Raises Refused with the gRPC status the Open call answers."""
+        if self.draining:
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "replica is draining; open sessions elsewhere")
+        spec = self.specs.get(env_id)
+        if spec is None:
+            raise Refused(grpc.StatusCode.NOT_FOUND, f"env {env_id!r} is not served here; served: {self.env_ids}")
+        count = count or 1
+        if count < 0 or count > self.config.max_open_per_call:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"count must be 1..{self.config.max_open_per_call}, got {count}")
+        if len(self.sessions) + count > self.config.max_sessions:
+            self.metrics.errors.labels("RESOURCE_EXHAUSTED").inc()
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"replica is full: {len(self.sessions)} of {self.config.max_sessions} sessions open")
+        try:
+            resolve_config(full_spec(spec), config)
+        except ValueError as e:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        workers = self.pick_workers(count)
+        if not workers:
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "no worker is running; try again shortly")
+        self.enter()
+        try:
+            ids = [self.new_session_id() for _ in range(count)]
+            plan: dict[int, tuple[WorkerHandle, list[str]]] = {}
+            for sid, w in zip(ids, workers):
+                plan.setdefault(w.slot, (w, []))[1].append(sid)
+            calls = [self.pool.call(w, "open", (env_id, config, action_format, sids)) for w, sids in plan.values()]
+            replies = await asyncio.gather(*calls, return_exceptions=True)
+            failure, prompt = None, ""
+            for (w, sids), reply in zip(plan.values(), replies):
+                if isinstance(reply, BaseException) or reply[0] != "ok":
+                    failure = failure or reply
+                else:
+                    self.add_sessions(sids, env_id, w, owner)
+                    prompt = reply[1]
+            if failure is not None:
+                await self.close_sessions([sid for sid in ids if sid in self.sessions])
+                if isinstance(failure, BaseException):
+                    raise Refused(grpc.StatusCode.UNAVAILABLE, f"open failed: {failure}")
+                raise Refused(getattr(grpc.StatusCode, failure[1]), failure[2])
+            return ids, prompt
+        finally:
+            self.leave()
+
     # -- batches --------------------------------------------------------------------------
     def route(self, items: list[tuple], owner: str = "") -> tuple[list, dict]:
         """Split items ((kind, sid, ...)) by worker. Returns per-index errors (BatchResponse
@@ -319,54 +376,13 @@ class EnvService(pb_grpc.EnvServiceServicer):
         return convert.spec_to_proto(spec)
 
     async def Open(self, request, context):
-        r = self.r
-        owner = await caller(context, r.auth.env_owner)
-        if r.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "replica is draining; open sessions elsewhere")
-        spec = r.specs.get(request.env_id)
-        if spec is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"env {request.env_id!r} is not served here; served: {r.env_ids}")
-        count = request.count or 1
-        if count < 0 or count > r.config.max_open_per_call:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"count must be 1..{r.config.max_open_per_call}, got {request.count}")
-        if len(r.sessions) + count > r.config.max_sessions:
-            r.metrics.errors.labels("RESOURCE_EXHAUSTED").inc()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"replica is full: {len(r.sessions)} of {r.config.max_sessions} sessions open")
+        owner = await caller(context, self.r.auth.env_owner)
         config = json_format.MessageToDict(request.config) if request.HasField("config") else {}
         try:
-            resolve_config(full_spec(spec), config)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        workers = r.pick_workers(count)
-        if not workers:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is running; try again shortly")
-        r.enter()
-        try:
-            ids = [r.new_session_id() for _ in range(count)]
-            plan: dict[int, tuple[WorkerHandle, list[str]]] = {}
-            for sid, w in zip(ids, workers):
-                plan.setdefault(w.slot, (w, []))[1].append(sid)
-            calls = [r.pool.call(w, "open", (request.env_id, config, request.action_format, sids))
-                     for w, sids in plan.values()]
-            replies = await asyncio.gather(*calls, return_exceptions=True)
-            failure, prompt = None, ""
-            for (w, sids), reply in zip(plan.values(), replies):
-                if isinstance(reply, BaseException) or reply[0] != "ok":
-                    failure = failure or reply
-                else:
-                    r.add_sessions(sids, request.env_id, w, owner)
-                    prompt = reply[1]
-            if failure is not None:
-                await r.close_sessions([sid for sid in ids if sid in r.sessions])
-                if isinstance(failure, BaseException):
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"open failed: {failure}")
-                await context.abort(getattr(grpc.StatusCode, failure[1]), failure[2])
-            return pb.OpenResponse(session_ids=ids, lease_seconds=r.config.lease_seconds, system_prompt=prompt)
-        finally:
-            r.leave()
+            ids, prompt = await self.r.open(request.env_id, request.count, config, request.action_format, owner)
+        except Refused as e:
+            await context.abort(e.code, e.message)
+        return pb.OpenResponse(session_ids=ids, lease_seconds=self.r.config.lease_seconds, system_prompt=prompt)
 
     async def Reset(self, request, context):
         return await self._batch([_reset_item(it) for it in request.items], context)

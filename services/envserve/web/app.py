@@ -83,6 +83,27 @@ def _forwarded(request: Request) -> tuple:
     return (("authorization", auth),) if auth else ()
 
 
+def add_error_handlers(app: FastAPI) -> None:
+    """Errors as {"code", "message"} JSON with the HTTP status of their gRPC code."""
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return error_response(e.code, e.message)
+
+    @app.exception_handler(grpc.RpcError)
+    async def _rpc_error(request, e: grpc.RpcError):
+        return error_response(e.code(), e.details() or e.code().name)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e: RequestValidationError):
+        problems = "; ".join(f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg')}" for err in e.errors())
+        return error_response(grpc.StatusCode.INVALID_ARGUMENT, problems or "invalid request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        code = _CODE_OF_HTTP.get(e.status_code, grpc.StatusCode.UNKNOWN)
+        return JSONResponse({"code": code.name, "message": str(e.detail)}, status_code=e.status_code)
+
+
 def create_app(directory_url: str = "", replicas=(), root_certificates: bytes | None = None,
                use_external: bool = False, monitor_token: str | None = None, timeout: float = 60.0,
                refresh_seconds: float = 1.0, openenv: bool = True, openenv_idle_seconds: float = 300.0) -> FastAPI:
@@ -109,23 +130,7 @@ def create_app(directory_url: str = "", replicas=(), root_certificates: bytes | 
         from .openenv import mount_openenv
         app.state.openenv = mount_openenv(app, gateway, idle_seconds=openenv_idle_seconds)
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request, e: ApiError):
-        return error_response(e.code, e.message)
-
-    @app.exception_handler(grpc.RpcError)
-    async def _rpc_error(request, e: grpc.RpcError):
-        return error_response(e.code(), e.details() or e.code().name)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request, e: RequestValidationError):
-        problems = "; ".join(f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg')}" for err in e.errors())
-        return error_response(grpc.StatusCode.INVALID_ARGUMENT, problems or "invalid request")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, e: StarletteHTTPException):
-        code = _CODE_OF_HTTP.get(e.status_code, grpc.StatusCode.UNKNOWN)
-        return JSONResponse({"code": code.name, "message": str(e.detail)}, status_code=e.status_code)
+    add_error_handlers(app)
 
     # -- helpers ------------------------------------------------------------------------------------
     fan_out, session_replica = gateway.fan_out, gateway.session_replica

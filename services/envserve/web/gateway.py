@@ -60,6 +60,11 @@ class Gateway:
             raise await self.not_served(env_id, md)
         return found
 
+    async def spec(self, env_id: str, md) -> pb.EnvSpec:
+        serving = await self.serving(env_id, md)
+        return await self.table.stubs(serving[0]).env.GetSpec(pb.GetSpecRequest(env_id=env_id),
+                                                               timeout=self.timeout, metadata=md)
+
     async def session_replica(self, session_id: str, md) -> ReplicaInfo:
         rid = replica_of(session_id)
         if not rid:

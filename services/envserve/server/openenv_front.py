@@ -1,0 +1,218 @@
+"""OpenEnv's protocol served by a replica itself (`envserve serve --openenv-port`): the same
+routes as the facade's /openenv/<env_id>/ (envserve.web.openenv), on this replica's envs, in the
+replica's front process and on its event loop. A socket's steps go straight to the worker pool,
+with no facade process and no gRPC call between: for one replica, the cheapest way to serve
+OpenEnv clients. (Behind `envserve web`, sessions are routed over many replicas instead.)
+
+The steps and resets of all sockets that arrive in one event-loop turn go to each worker as one
+message, as Interact sends them; results come back as the workers finish them.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+from google.protobuf import json_format
+
+from envserve.rpc.auth import Denied
+from envserve.v1 import envserve_pb2 as pb
+
+from . import convert
+from .pool import WorkerHandle
+from .service import Refused, Replica, _cap, _reset_item
+
+log = logging.getLogger("envserve.server.openenv")
+IN_FLIGHT = 1  # measured: 2 cost more CPU a step (smaller batches), for no more steps/s
+
+
+class _Metadata:
+    """The part of a gRPC context an Authenticator reads: the caller's metadata."""
+
+    def __init__(self, md: tuple):
+        self._md = md
+
+    def invocation_metadata(self):
+        return self._md
+
+
+class LocalGateway:
+    """What envserve.web.openenv needs of a Gateway (open, close, batched single steps and
+    resets, spec, serving), answered by this replica's own sessions."""
+
+    def __init__(self, replica: Replica):
+        self.r = replica
+        self._batchers: dict[tuple, LocalBatcher] = {}  # by the caller's metadata
+
+    def _owner(self, md) -> str:
+        from envserve.web.gateway import ApiError
+        try:
+            return self.r.auth.env_owner(_Metadata(tuple(md)))
+        except Denied as e:
+            raise ApiError(e.code, e.message) from None
+
+    async def open(self, req: pb.OpenRequest, md) -> tuple[None, pb.OpenResponse]:
+        from envserve.web.gateway import ApiError
+        owner = self._owner(md)
+        config = json_format.MessageToDict(req.config) if req.HasField("config") else {}
+        try:
+            ids, prompt = await self.r.open(req.env_id, req.count, config, req.action_format, owner)
+        except Refused as e:
+            raise ApiError(e.code, e.message) from None
+        return None, pb.OpenResponse(session_ids=ids, lease_seconds=self.r.config.lease_seconds,
+                                     system_prompt=prompt)
+
+    async def close_sessions(self, ids: list[str], md) -> list[pb.ItemStatus]:
+        return await self.r.close_sessions(list(ids), self._owner(md))
+
+    async def serving(self, env_id: str, md) -> list:
+        from envserve.web.gateway import ApiError
+        self._owner(md)
+        if env_id not in self.r.specs:
+            raise ApiError(grpc.StatusCode.NOT_FOUND,
+                           f"env {env_id!r} is not served here; served: {self.r.env_ids}")
+        return [None]
+
+    async def spec(self, env_id: str, md) -> pb.EnvSpec:
+        await self.serving(env_id, md)
+        return convert.spec_to_proto(self.r.specs[env_id])
+
+    def batcher(self, _replica, md) -> "LocalBatcher":
+        b = self._batchers.get(md)
+        if b is None:
+            if len(self._batchers) > 4096:  # tokens come and go: never let the cache grow without end
+                self._batchers.clear()
+            b = self._batchers[md] = LocalBatcher(self.r, self._owner(md))
+        return b
+
+    async def close(self) -> None:
+        self._batchers.clear()
+
+
+class LocalBatcher:
+    """Single steps and resets of many callers (one owner) to the workers: what arrives in one
+    loop turn goes to each worker as one message, its results streamed back as they finish. At
+    most `in_flight` messages are out per worker; items that come meanwhile wait and go together
+    in the next, so a lone caller is sent at once and sixty-four busy ones share a few messages
+    (each costs a pipe write and a wake-up on both sides)."""
+
+    def __init__(self, replica: Replica, owner: str, in_flight: int = IN_FLIGHT):
+        self.r, self.owner, self.in_flight = replica, owner, in_flight
+        self._items: list[tuple[tuple, asyncio.Future]] = []
+        self._waiting: dict[int, tuple[WorkerHandle, list, list, list]] = {}  # by id of the worker
+        self._busy: dict[int, int] = {}  # messages out, by worker slot
+        self._scheduled = False
+
+    def _queue(self, item: tuple) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._items.append((item, fut))
+        if not self._scheduled:
+            self._scheduled = True
+            loop.call_soon(self._flush)
+        return fut
+
+    def step(self, session_id: str, action: str) -> asyncio.Future:
+        return self._queue(("step", session_id, _cap(action)))
+
+    def reset(self, item: pb.ResetItem) -> asyncio.Future:
+        return self._queue(_reset_item(item))
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        batch, self._items = self._items, []
+        r = self.r
+        waiting = self._waiting
+        for item, fut in batch:
+            rec, code, message = r.lookup(item[1], self.owner)
+            if rec is None:
+                r.metrics.errors.labels(code).inc()
+                if not fut.done():
+                    fut.set_result(convert.error_result(item[1], code, message))
+                continue
+            w = rec.worker
+            g = waiting.get(id(w))
+            if g is None:
+                g = waiting[id(w)] = (w, [], [], [])
+            g[1].append(item)
+            g[2].append(fut)
+            g[3].append(rec.env_id)
+        for key, (w, items, futs, env_ids) in list(waiting.items()):
+            if self._busy.get(w.slot, 0) < self.in_flight or not w.alive:
+                del waiting[key]
+                self._send(w, items, futs, env_ids)
+
+    def _done(self, slot: int) -> None:
+        self._busy[slot] -= 1
+        if self._waiting and not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _send(self, w: WorkerHandle, items: list, futs: list, env_ids: list) -> None:
+        r, slot = self.r, w.slot
+        r.enter()
+        self._busy[slot] = self._busy.get(slot, 0) + 1
+        left = [len(items)]
+        observe = r.metrics.observe_step
+
+        def finish() -> None:
+            left[0] = 0
+            r.leave()
+            self._done(slot)
+
+        def on_item(result) -> None:
+            if left[0] <= 0:
+                return
+            if isinstance(result, BaseException):
+                for item, fut in zip(items, futs):
+                    if not fut.done():
+                        fut.set_result(pb.StepResult.FromString(r.lost_result(item[1], result)))
+                finish()
+                return
+            for index, data, seconds in result:
+                observe(env_ids[index], seconds)
+                fut = futs[index]
+                if not fut.done():
+                    fut.set_result(pb.StepResult.FromString(data))
+            left[0] -= len(result)
+            if left[0] <= 0:
+                finish()
+
+        r.pool.stream(w, items, on_item)
+
+
+class OpenEnvFront:
+    """The replica's OpenEnv endpoint: an app with envserve.web.openenv's routes under /openenv,
+    served on host:port beside the gRPC server."""
+
+    def __init__(self, replica: Replica, host: str, port: int, idle_seconds: float = 300.0):
+        from fastapi import FastAPI
+
+        from envserve.web.app import add_error_handlers
+        from envserve.web.openenv import mount_openenv
+        from envserve.web.server import bind
+        self.gateway = LocalGateway(replica)
+        self.app = FastAPI(title="envserve OpenEnv endpoint")
+        add_error_handlers(self.app)
+        self.sessions = mount_openenv(self.app, self.gateway, idle_seconds=idle_seconds)
+        self.sock = bind(host, port)
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self._server = None
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        from envserve.web.server import start_on_loop
+        self._server, self._task = start_on_loop(self.app, self.sock)
+
+    @property
+    def url(self) -> str:
+        from envserve.web.server import display
+        return display(self.host, self.port) + "/openenv"
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._task, 5.0)
+        await self.sessions.close_all()
