@@ -1,88 +1,84 @@
-"""What each framework adapter (envserve.integrations) adds to a step, against calling EnvClient
-directly, with 64 rollouts stepping concurrently (one thread each, as TRL's pool and SkyRL's and
-GEM's env workers call them).
+"""The framework adapters (envserve.integrations) against OpenEnv's own client, on one game written
+once: the 6x6 push-box room of bench/vs_openenv.py, served by OpenEnv 0.10's server (uvicorn, as its
+env template runs it) and by `envserve serve pushbox`. Every rollout plays vs_openenv's SCRIPT (15
+moves, the last push ends the episode) and is reset, outside the timing, when it ends.
 
-Both sides run in the same process against the same real server on loopback, alternating in rounds
-(each round starting with another side) so that load on the machine hits them alike: the direct side
-calls `EnvClient.step` with the answer text; an adapter side calls what its framework calls (TRL: the
-`move` tool; SkyRL: the env's `step` with the answer text, a fresh env made per episode as SkyRL's
-generator does; GEM: `step`). Per side: steps/s over all rollouts, the p50/p90 latency of one call
-and this process's CPU time per step; per adapter: its steps/s as a ratio of direct's, and the p50
-and CPU per step it adds over direct (medians of the differences to direct in the same round). With
-64 threads on a few cores a step's latency is mostly queueing for the GIL, so the CPU an adapter adds
-is the steadier figure; `--rollouts 1` shows the latency of one step alone. Adapters whose framework
-is not installed are skipped.
+- serial: one rollout making one call at a time (TRL's tool loop): the p50/p99 of a call through
+  each adapter (TRL's tool, SkyRL's and GEM's `step`; `trl_unary` is TRL with `stream=False`)
+  against OpenEnv's `SyncEnvClient.step`, sides alternating in rounds; against envserve with
+  `--inline` (no worker hop) and with worker processes (the default replica).
+- concurrent: 64 rollouts as 4 processes of 16 threads (how trainers run env workers), each thread
+  its own rollout: steps/s of TRL's adapter (stream and unary) against OpenEnv's client the same
+  way, each thread with its own SyncEnvClient (one WebSocket, as OpenEnv's clients are used).
+- replicas: the same 64 TRL rollouts given a redis:// directory of 3 replicas: how many sessions
+  each replica got (most over least), and the steps/s.
+- endpoint (`--endpoint`): bench/openenv_endpoint.py's 64-socket comparison of envserve's OpenEnv
+  endpoint against OpenEnv's server, run as is and its ratios reported here.
 
     .venv/bin/python bench/integrations.py --json
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+BENCH = Path(__file__).resolve().parent
+sys.path[:0] = [str(BENCH), str(BENCH.parent / "tests")]
 
-DIRECTIONS = ["Up", "Left", "Down", "Right"]
-# Sokoban with no turn limit: episodes end only when a room is solved, so steps dominate resets.
-ENV_ID, CONFIG = "sokoban", {"max_turns": 1_000_000}
+from vs_openenv import SCRIPT, OpenEnvServer, pushbox_distribution  # noqa: E402
 
-
-class Rollout:
-    """One concurrent rollout of one side: `step(i)` makes the i-th call and says whether the episode
-    ended (the driver then resets it, outside the timing)."""
-
-    def reset(self, seed: int) -> None: ...
-    def step(self, i: int) -> bool: ...
-    def close(self) -> None: ...
+ENV_ID = "pushbox"
+SERIAL_SIDES = ("openenv_sync", "trl", "trl_unary", "skyrl", "gem")
+CONCURRENT_SIDES = ("openenv_sync", "trl", "trl_unary")
 
 
-class DirectRollout(Rollout):
-    def __init__(self, client):
-        self.client = client
-        self.sid = client.open_sessions(ENV_ID, 1, CONFIG, "no_think").session_ids[0]
-
-    def reset(self, seed):
-        self.client.reset_one(self.sid, seed)
-
-    def step(self, i):
-        r = self.client.step([(self.sid, f"<answer>{DIRECTIONS[i % 4]}</answer>")])[0]
-        return r.done or r.truncated
-
-    def close(self):
-        self.client.close_sessions([self.sid])
+def answer(move: str) -> str:
+    return f"<answer>{move}</answer>"  # the no_think format the push-box env defaults to
 
 
-class TRLRollout(Rollout):
+# -- rollouts: reset() outside the timing, step(move) -> whether the episode ended -----------------
+class OpenEnvRollout:
+    def __init__(self, url: str):
+        from openenv.core import GenericEnvClient
+        self.client = GenericEnvClient(base_url=url).sync()
+        self.client.__enter__()
+
+    def reset(self, seed: int) -> None:
+        self.client.reset()
+
+    def step(self, move: str) -> bool:
+        return bool(self.client.step({"direction": move}).done)
+
+    def close(self) -> None:
+        self.client.__exit__(None, None, None)
+
+
+class TRLRollout:
     def __init__(self, cls):
         self.env = cls()
 
     def reset(self, seed):
         self.env.reset(seed=seed)
 
-    def step(self, i):
-        self.env.move(DIRECTIONS[i % 4])
-        r = self.env.last_result
-        return r.done or r.truncated
+    def step(self, move):
+        self.env.act(move)
+        return self.env._done
+
+    def close(self):
+        pass
 
 
-def trl_side(address: str) -> tuple[Callable[[], Rollout], Callable[[], None]] | None:
-    try:
-        from envserve.integrations.trl import environment_factory
-    except ImportError:
-        return None
-    cls = environment_factory(address, ENV_ID, CONFIG, include_rules=False)
-    return (lambda: TRLRollout(cls)), cls.close
-
-
-class SkyRLRollout(Rollout):
-    """As SkyRL's generator: a fresh env per trajectory (made and init'ed in reset, outside the timing)."""
+class SkyRLRollout:
+    """As SkyRL's generator: a fresh env per trajectory, made and init'ed in reset."""
 
     def __init__(self, env_class):
         self.env_class, self.env = env_class, None
@@ -93,24 +89,15 @@ class SkyRLRollout(Rollout):
         self.env = skyrl_gym.make(self.env_class, env_config={}, extras={"seed": seed})
         self.env.init([])
 
-    def step(self, i):
-        return self.env.step(f"<answer>{DIRECTIONS[i % 4]}</answer>")["done"]
+    def step(self, move):
+        return self.env.step(answer(move))["done"]
 
     def close(self):
         if self.env is not None:
             self.env.close()
 
 
-def skyrl_side(address: str) -> tuple[Callable[[], Rollout], Callable[[], None]] | None:
-    try:
-        from envserve.integrations.skyrl import register
-    except ImportError:
-        return None
-    (env_class,) = register(address, [ENV_ID], prefix="bench-", config=CONFIG, include_rules=False)
-    return (lambda: SkyRLRollout(env_class)), lambda: None
-
-
-class GEMRollout(Rollout):
+class GEMRollout:
     def __init__(self, env_id):
         import gem
         self.env = gem.make(env_id)
@@ -118,123 +105,222 @@ class GEMRollout(Rollout):
     def reset(self, seed):
         self.env.reset(seed)
 
-    def step(self, i):
-        _, _, terminated, truncated, _ = self.env.step(f"<answer>{DIRECTIONS[i % 4]}</answer>")
+    def step(self, move):
+        _, _, terminated, truncated, _ = self.env.step(answer(move))
         return terminated or truncated
 
     def close(self):
         self.env.close()
 
 
-def gem_side(address: str) -> tuple[Callable[[], Rollout], Callable[[], None]] | None:
-    try:
+def maker(side: str, target: str):
+    """A function making one rollout of `side` against target (OpenEnv's URL, or envserve's)."""
+    if side == "openenv_sync":
+        return lambda: OpenEnvRollout(target)
+    if side in ("trl", "trl_unary"):
+        from envserve.integrations.trl import environment_factory
+        cls = environment_factory(target, ENV_ID, tools="act", include_rules=False, stream=side == "trl")
+        return lambda: TRLRollout(cls)
+    if side == "skyrl":
+        from envserve.integrations.skyrl import register
+        (env_class,) = register(target, [ENV_ID], prefix="bench-", include_rules=False)
+        return lambda: SkyRLRollout(env_class)
+    if side == "gem":
         from envserve.integrations.gem import register
-    except ImportError:
-        return None
-    (env_id,) = register(address, [ENV_ID], prefix="bench:", config=CONFIG, include_rules=False)
-    return (lambda: GEMRollout(env_id)), lambda: None
+        (env_id,) = register(target, [ENV_ID], prefix=f"bench-{target}:", include_rules=False)
+        return lambda: GEMRollout(env_id)
+    raise ValueError(side)
 
 
-def run_side(make: Callable[[], Rollout], rollouts: int, seconds: float) -> dict:
-    """`rollouts` threads stepping for `seconds`; latency of every step call."""
-    envs = [make() for _ in range(rollouts)]
-    for k, env in enumerate(envs):
-        env.reset(k)
-    latencies: list[list[float]] = [[] for _ in envs]
-    start = threading.Barrier(rollouts + 1)
-    stop = threading.Event()
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
-    def loop(k: int) -> None:
-        env, lat, i = envs[k], latencies[k], 0
-        start.wait()
-        while not stop.is_set():
-            t = time.perf_counter()
-            done = env.step(i)
-            lat.append(time.perf_counter() - t)
-            i += 1
-            if done:
-                env.reset(k + 1000 * i)
 
-    threads = [threading.Thread(target=loop, args=(k,), daemon=True) for k in range(rollouts)]
-    for t in threads:
+# -- serial ----------------------------------------------------------------------------------------
+def serial_round(rollout, calls: int, warmup: int) -> list[float]:
+    lat: list[float] = []
+    k, seed = 0, 0
+    rollout.reset(seed)
+    while len(lat) < calls:
+        t = time.perf_counter()
+        ended = rollout.step(SCRIPT[k % len(SCRIPT)])
+        dt = time.perf_counter() - t
+        k += 1
+        if warmup:
+            warmup -= 1
+        else:
+            lat.append(dt)
+        if ended:
+            seed, k = seed + 1, 0
+            rollout.reset(seed)
+    return lat
+
+
+def serial(targets: dict[str, str], rounds: int, calls: int, sides: list[str]) -> dict:
+    rollouts = {s: maker(s, targets["openenv" if s.startswith("openenv") else "envserve"])() for s in sides}
+    per_round: dict[str, list[float]] = {s: [] for s in sides}
+    pooled: dict[str, list[float]] = {s: [] for s in sides}
+    for r in range(rounds):
+        for s in sides[r % len(sides):] + sides[:r % len(sides)]:
+            lat = serial_round(rollouts[s], calls, warmup=50)
+            per_round[s].append(1e3 * statistics.median(lat))
+            pooled[s] += lat
+    for ro in rollouts.values():
+        ro.close()
+    return {s: {"p50_ms": round(statistics.median(per_round[s]), 3), "p99_ms": round(1e3 * pct(pooled[s], 0.99), 3),
+                "p50_ms_by_round": [round(x, 3) for x in per_round[s]], "calls": len(pooled[s])} for s in sides}
+
+
+# -- concurrent: one process of `threads` rollouts (run by the parent, 4 at once) ---------------------
+def drive(side: str, target: str, threads: int, seconds: float, warmup: float) -> dict:
+    make = maker(side, target)
+    rollouts = [make() for _ in range(threads)]
+    for k, ro in enumerate(rollouts):
+        ro.reset(k)
+    replicas = collections.Counter()
+    if side.startswith("trl"):
+        from envserve.directory import replica_of
+        replicas.update(replica_of(ro.env._session.real_id) for ro in rollouts)
+    counts = [0] * threads
+    phase = {"record": False, "stop": False}
+    errors = collections.Counter()
+
+    def loop(i: int) -> None:
+        ro, k, seed = rollouts[i], 0, i
+        while not phase["stop"]:
+            try:
+                ended = ro.step(SCRIPT[k % len(SCRIPT)])
+            except Exception as e:  # noqa: BLE001 (counted, the rollout goes on)
+                errors[type(e).__name__] += 1
+                ended = True
+            k += 1
+            if phase["record"]:
+                counts[i] += 1
+            if ended:
+                seed, k = seed + 1000, 0
+                ro.reset(seed)
+
+    ts = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(threads)]
+    for t in ts:
         t.start()
-    start.wait()
-    t0, cpu0 = time.perf_counter(), time.process_time()
+    time.sleep(warmup)
+    phase["record"] = True
+    t0 = time.perf_counter()
     time.sleep(seconds)
-    stop.set()
-    for t in threads:
-        t.join()
-    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    for env in envs:
-        env.close()
-    flat = sorted(x for lat in latencies for x in lat)
-    # cpu: this process's CPU time (every thread: the rollouts' Python and gRPC's) per step; the
-    # server is another process. Under load from elsewhere it moves much less than latency does.
-    return {"steps": len(flat), "seconds": elapsed, "steps_per_s": len(flat) / elapsed,
-            "p50_ms": 1e3 * flat[len(flat) // 2], "p90_ms": 1e3 * flat[int(len(flat) * 0.9)],
-            "cpu_us_per_step": 1e6 * cpu / max(1, len(flat))}
+    phase["record"] = False
+    elapsed = time.perf_counter() - t0
+    phase["stop"] = True
+    for t in ts:
+        t.join(30)
+    for ro in rollouts:
+        ro.close()
+    return {"steps": sum(counts), "seconds": elapsed, "replicas": dict(replicas), "errors": dict(errors)}
 
 
-def merge(rounds: list[dict], direct: list[dict] | None = None) -> dict:
-    """A side over its rounds; against direct's rounds, what it adds: the median over rounds of the
-    difference to direct in the same round (paired, so load that changes between rounds cancels)."""
-    steps = sum(r["steps"] for r in rounds)
-    out = {"steps": steps, "steps_per_s": steps / sum(r["seconds"] for r in rounds),
-           "p50_ms": statistics.median(r["p50_ms"] for r in rounds),
-           "p90_ms": statistics.median(r["p90_ms"] for r in rounds),
-           "cpu_us_per_step": statistics.median(r["cpu_us_per_step"] for r in rounds)}
-    if direct is not None:
-        out["added_p50_ms"] = statistics.median(r["p50_ms"] - d["p50_ms"] for r, d in zip(rounds, direct))
-        out["added_cpu_us_per_step"] = statistics.median(r["cpu_us_per_step"] - d["cpu_us_per_step"]
-                                                         for r, d in zip(rounds, direct))
+def concurrent(side: str, target: str, processes: int, threads: int, seconds: float) -> dict:
+    cmd = [sys.executable, __file__, "--drive", side, "--target", target, "--threads", str(threads),
+           "--seconds", str(seconds)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(processes)]
+    outs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=seconds + 300)
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    steps = sum(o["steps"] for o in outs)
+    replicas = collections.Counter()
+    for o in outs:
+        replicas.update(o["replicas"])
+    errors = collections.Counter()
+    for o in outs:
+        errors.update(o["errors"])
+    return {"steps_per_s": round(steps / statistics.mean(o["seconds"] for o in outs)),
+            "replicas": dict(replicas), "errors": dict(errors)}
+
+
+# -- the parent ------------------------------------------------------------------------------------
+def run(args) -> dict:
+    from serverproc import Cluster, RedisProcess, ServerProcess
+
+    out: dict = {"cpu_count": os.cpu_count(), "load_average_at_start": os.getloadavg(),
+                 "rollouts": args.processes * args.threads}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.pathsep.join(filter(None, [pushbox_distribution(Path(tmp)), os.environ.get("PYTHONPATH", "")]))
+        env_vars = {"PYTHONPATH": path}
+        os.environ["PYTHONPATH"] = path  # the drive processes load the pushbox env too (its spec)
+        oe = OpenEnvServer(sys.executable, args.processes * args.threads, Path(tmp) / "openenv.log")
+        try:
+            for name, extra, workers in (("inline", ["--inline"], 1), ("workers", [], args.workers)):
+                with ServerProcess([ENV_ID], workers=workers, metrics=False, extra=extra, env_vars=env_vars) as es:
+                    targets = {"openenv": oe.url, "envserve": es.address}
+                    print(f"serial against envserve {name}...", file=sys.stderr, flush=True)
+                    out[f"serial_{name}"] = serial(targets, args.rounds, args.calls, list(SERIAL_SIDES))
+                    if name == "workers" or args.concurrent_inline:
+                        res = {}
+                        for r in range(args.rounds):
+                            for side in CONCURRENT_SIDES[r % 3:] + CONCURRENT_SIDES[:r % 3]:
+                                target = targets["openenv" if side.startswith("openenv") else "envserve"]
+                                print(f"concurrent {side} round {r + 1}...", file=sys.stderr, flush=True)
+                                res.setdefault(side, []).append(
+                                    concurrent(side, target, args.processes, args.threads, args.seconds))
+                        out[f"concurrent_{name}"] = {
+                            side: {"steps_per_s": statistics.median(x["steps_per_s"] for x in runs),
+                                   "by_round": [x["steps_per_s"] for x in runs],
+                                   "errors": sum((collections.Counter(x["errors"]) for x in runs), collections.Counter())}
+                            for side, runs in res.items()}
+        finally:
+            oe.kill()
+        with RedisProcess() as redis:
+            cluster = Cluster(redis.url, [ENV_ID], ["rep-0", "rep-1", "rep-2"], workers=1, env_vars=env_vars)
+            try:
+                print("concurrent trl over 3 replicas...", file=sys.stderr, flush=True)
+                res = concurrent("trl", redis.url, args.processes, args.threads, args.seconds)
+                counts = [res["replicas"].get(rid, 0) for rid in ("rep-0", "rep-1", "rep-2")]
+                out["replicas"] = {**res, "sessions_by_replica": counts,
+                                   "most_over_least": round(max(counts) / max(1, min(counts)), 3)}
+            finally:
+                cluster.close()
+    if args.endpoint:
+        print("OpenEnv endpoint (bench/openenv_endpoint.py)...", file=sys.stderr, flush=True)
+        proc = subprocess.run([sys.executable, str(BENCH / "openenv_endpoint.py"), "--json", "--sides",
+                               "envserve_direct,envserve_counter,openenv", "--seconds", str(args.seconds)],
+                              capture_output=True, text=True, timeout=1800)
+        lines = proc.stdout.strip().splitlines()
+        out["endpoint"] = json.loads(lines[-1]) if proc.returncode == 0 and lines else {"failed": proc.stderr[-2000:]}
+
+    ratios = {}
+    for name in ("inline", "workers"):
+        s = out[f"serial_{name}"]
+        for side in SERIAL_SIDES[1:]:
+            ratios[f"serial_{name}_{side}_p50_over_openenv"] = round(s[side]["p50_ms"] / s["openenv_sync"]["p50_ms"], 3)
+    for name in ("inline", "workers"):
+        c = out.get(f"concurrent_{name}")
+        if c:
+            for side in ("trl", "trl_unary"):
+                ratios[f"concurrent_{name}_{side}_over_openenv"] = round(
+                    c[side]["steps_per_s"] / c["openenv_sync"]["steps_per_s"], 3)
+    out["ratios"] = ratios
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rollouts", type=int, default=64)
-    ap.add_argument("--seconds", type=float, default=3.0, help="per side per round")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--calls", type=int, default=1000, help="serial calls per side per round")
+    ap.add_argument("--processes", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--seconds", type=float, default=5.0, help="per concurrent measurement")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
+    ap.add_argument("--concurrent-inline", action="store_true", help="also the concurrent runs against --inline")
+    ap.add_argument("--endpoint", action="store_true", help="also bench/openenv_endpoint.py's 64-socket run")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--drive", help=argparse.SUPPRESS)
+    ap.add_argument("--target", help=argparse.SUPPRESS)
     args = ap.parse_args()
-
-    from envserve.client import EnvClient
-    from serverproc import ServerProcess
-
-    with ServerProcess([ENV_ID], workers=args.workers, metrics=False) as server, \
-            EnvClient(server.address) as client:
-        sides: dict[str, tuple] = {"direct": ((lambda: DirectRollout(client)), lambda: None)}
-        for name, build in {"trl": trl_side, "skyrl": skyrl_side, "gem": gem_side}.items():
-            side = build(server.address)
-            if side is None:
-                print(f"{name}: framework not installed, skipped")
-            else:
-                sides[name] = side
-        rounds: dict[str, list[dict]] = {name: [] for name in sides}
-        names = list(sides)
-        for k in range(args.rounds):
-            # Each round starts with another side, so no side always follows the same one.
-            for name in names[k % len(names):] + names[:k % len(names)]:
-                rounds[name].append(run_side(sides[name][0], args.rollouts, args.seconds))
-        for _, close in sides.values():
-            close()
-
-    results = {name: merge(r, None if name == "direct" else rounds["direct"]) for name, r in rounds.items()}
-    direct = results["direct"]
-    summary = {"env": ENV_ID, "rollouts": args.rollouts, "rounds": args.rounds, "load_average": os.getloadavg(),
-               "direct": direct}
-    print("| side | steps/s | ratio to direct | p50 ms | added p50 ms | p90 ms | client CPU us/step | added CPU us |\n"
-          "|---|---|---|---|---|---|---|---|")
-    for name, r in results.items():
-        if name != "direct":
-            r = dict(r, steps_per_s_ratio=r["steps_per_s"] / direct["steps_per_s"])
-            summary[name] = r
-        print(f"| {name} | {r['steps_per_s']:.0f} | {r.get('steps_per_s_ratio', 1.0):.2f} | {r['p50_ms']:.2f} | "
-              f"{r.get('added_p50_ms', 0.0):+.3f} | {r['p90_ms']:.2f} | {r['cpu_us_per_step']:.0f} | "
-              f"{r.get('added_cpu_us_per_step', 0.0):+.0f} |")
-    if args.json:
-        print(json.dumps(summary))
+    if args.drive:
+        print(json.dumps(drive(args.drive, args.target, args.threads, args.seconds, warmup=1.0)), flush=True)
+        return 0
+    out = run(args)
+    print(json.dumps(out) if args.json else json.dumps(out, indent=1))
     return 0
 
 

@@ -142,6 +142,24 @@ class AsyncRoutedClient(Router):
             return list((await c._call(c.env.Step, pb.StepRequest(items=its))).results)
         return await self._items(items, self._over_stream if self.stream_steps else call, step=True)
 
+    async def step_one(self, session_id: str, action: str) -> pb.StepResult:
+        """One caller's step, the common case of a sync adapter: straight onto its replica's
+        stream when the session is where it was and the stream is up, with no deadline of its own
+        (the caller waits with one); anything else (a first call, a lost session, a broken
+        stream) takes step()'s whole path."""
+        real = self.sessions.current(session_id)
+        r = self._known.get(replica_of(real))
+        s = self._streams.get(self.client_for(r)) if r is not None and self.stream_steps else None
+        if s is not None:
+            try:
+                result = await s.exchange(pb.StepItem(session_id=real, action=action))
+            except (EOFError, EnvServeError):
+                pass  # step() drops the broken stream, opens another and reports or recovers
+            else:
+                if not (result.status.code and self.sessions.recoverable(session_id, result.status.code)):
+                    return self.sessions.answer(session_id, result, action)
+        return (await self.step([(session_id, action)]))[0]
+
     async def _over_stream(self, c: AsyncEnvClient, items: list) -> list[pb.StepResult]:
         """Items as items of the replica's shared Interact stream, opened on first use and again
         after one ended. A stream that broke fails its items as the call would (UNAVAILABLE, the

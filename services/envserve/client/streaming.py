@@ -194,8 +194,16 @@ class StreamingClient:
         return self._run(AsyncRoutedClient.reset, list(session_ids), seeds, task_id, split, same_task)
 
     def step(self, actions: "Mapping[str, str] | Iterable[tuple[str, str]]") -> list[pb.StepResult]:
-        return self._run(AsyncRoutedClient.step, list(actions.items()) if isinstance(actions, Mapping)
-                         else list(actions))
+        pairs = list(actions.items()) if isinstance(actions, Mapping) else list(actions)
+        if len(pairs) == 1:  # one caller's step: the short path, bounded here (see step_one)
+            return [self._run(AsyncRoutedClient.step_one, *pairs[0], timeout=self._one_call_wait())]
+        return self._run(AsyncRoutedClient.step, pairs)
+
+    def _one_call_wait(self) -> float | None:
+        """How long one step may take in all: its deadline, plus a recovery's where one may run."""
+        if self.timeout is None:
+            return None
+        return self.timeout + (self._table.settings.timeout_seconds if self._table.enabled else 0.0)
 
     def fork(self, session_id: str, count: int = 1) -> list[str]:
         return self._run(AsyncRoutedClient.fork, session_id, count)
