@@ -164,6 +164,50 @@ def test_a_session_survives_its_replica_restarting_on_the_same_address(redis_ser
         cluster.close()
 
 
+def test_fixed_addresses_list_what_answers_and_a_replica_back_on_its_address_gets_the_session():
+    """No directory: a client given addresses asks each (ListEnvs) for its id, envs and load; one
+    that does not answer is left out; a replica restarted on its address (a new id) rebuilds the
+    sessions of the one it replaced, stepped from the stream and unary paths alike."""
+    from envserve.client import StreamingClient
+    from envserve.client.addresses import AddressDirectory
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{s.getsockname()[1]}"  # closed again: nothing listens there
+    first = ServerProcess(["sokoban"], workers=1, metrics=False, extra=["--port", str(port)])
+    second = None
+    try:
+        addresses = [first.address, nobody]
+        directory = AddressDirectory(addresses)
+        (listed,) = directory.replicas()
+        assert (listed.address, listed.envs, listed.live_sessions) == (first.address, ["sokoban"], 0)
+        assert listed.capacity > 0 and not listed.draining and nobody in directory.errors
+        with RoutedClient(addresses) as client, StreamingClient(addresses) as streamed, \
+                RoutedClient([first.address]) as ref:
+            sids = [client.open("sokoban", 1)[0], streamed.open("sokoban", 1)[0], ref.open("sokoban", 1)[0]]
+            assert directory.replicas()[0].live_sessions == 3
+            for c, sid in zip((client, streamed, ref), sids):
+                assert c.reset([sid], [7])[0].status.code == 0
+                for t in range(3):
+                    assert c.step([(sid, _answer("sokoban", 7, t))])[0].status.code == 0
+            expected = ref.step([(sids[2], _answer("sokoban", 7, 3))])[0]
+            first.kill()
+            second = ServerProcess(["sokoban"], workers=1, metrics=False, extra=["--port", str(port)])
+            assert directory.replicas()[0].replica_id != listed.replica_id
+            for c, sid in zip((client, streamed), sids):
+                got = c.step([(sid, _answer("sokoban", 7, 3))])[0]
+                assert got.status.code == 0, got.status.message
+                assert got.session_id == sid and _view(got) == _view(expected)
+                assert c.sessions.current(sid) != sid
+        directory.close()
+    finally:
+        first.kill()
+        if second is not None:
+            second.kill()
+
+
 def test_recovery_after_a_worker_dies(redis_server):
     cluster = Cluster(redis_server.url, ["sokoban"], ["w-a"], workers=2)
     try:
