@@ -151,7 +151,7 @@ def ray_cluster():
 RESPONSE_LENGTH = 160
 
 
-def write_configs(directory, address: str, tool_options: str = "") -> tuple[str, str]:
+def write_configs(directory, address: str, tool_options: str = "", loop_options: str = "") -> tuple[str, str]:
     """The two YAML files a verl user writes: the agent loop entry and the tool entry."""
     loops, tools = os.path.join(directory, "agent_loops.yaml"), os.path.join(directory, "tools.yaml")
     with open(loops, "w") as f:
@@ -162,7 +162,7 @@ def write_configs(directory, address: str, tool_options: str = "") -> tuple[str,
   action_format: no_think
   max_turns: 6
   env_config: {{max_turns: 50}}
-""")
+{loop_options}""")
     with open(tools, "w") as f:
         f.write(f"""tools:
   - class_name: envserve.integrations.verl.EnvServeTool
@@ -200,9 +200,9 @@ class Rollouts:
 
     def __init__(self, model_dir: str, address: str, directory, serving, grammar=None,
                  response_length: int = RESPONSE_LENGTH, fail_after: int | None = None, tool_options: str = "",
-                 overrides: tuple = ()):
+                 overrides: tuple = (), loop_options: str = ""):
         from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
-        self.config = trainer_config(model_dir, *write_configs(directory, address, tool_options),
+        self.config = trainer_config(model_dir, *write_configs(directory, address, tool_options, loop_options),
                                      response_length=response_length, overrides=overrides)
         self.replica, balancer = serving
         ray.get(self.replica.configure.remote(response_length, grammar, fail_after))
@@ -470,8 +470,16 @@ class DropsSessions:
         return out
 
 
-def test_a_lost_session_ends_its_rollout_and_the_batch_goes_on(grid_server, model_dir, rollouts):
+def test_a_lost_session_is_rebuilt_or_without_recovery_ends_its_rollout(grid_server, model_dir, rollouts):
+    # Recovery (the default): the session closed under the rollout is rebuilt and the episode goes on.
     r = rollouts(grammar=one_answer(model_dir))
+    r.worker.llm_client = DropsSessions(r.worker.llm_client, grid_server.address, "minesweeper")
+    data = r.run([{"seed": 0, "env_id": "minesweeper"}])
+    out, = unpad(data)
+    assert not data.non_tensor_batch["envserve_error"][0]
+    assert out.num_turns > 2
+    # recovery: false in the agent loop's entry: the rollout ends with the error, the batch goes on.
+    r = rollouts(grammar=one_answer(model_dir), loop_options="  recovery: false\n")
     r.worker.llm_client = DropsSessions(r.worker.llm_client, grid_server.address, "minesweeper")
     data = r.run([{"seed": 0, "env_id": "minesweeper"}])
     out, = unpad(data)
