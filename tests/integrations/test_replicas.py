@@ -1,8 +1,9 @@
 """The adapters across replicas: TRL's environment_factory, SkyRL's and GEM's register given a
 directory URL or several addresses spread sessions over every replica; their steps ride one
 Interact stream per replica (or unary Steps, the same results); a forked data-loader worker steps
-its own; a replica killed -9 mid-rollout loses no rollout. Three real replicas, a real
-redis-server, each framework's own package making the environments."""
+its own; a replica killed -9 mid-rollout loses no rollout; OpenEnv's client through the facade
+reaches every replica. Three real replicas, a real redis-server, each framework's own package
+making the environments."""
 from __future__ import annotations
 
 import asyncio
@@ -219,3 +220,29 @@ def test_a_killed_replicas_rollouts_are_rebuilt_and_the_others_go_on():
             ended.close()
         finally:
             c.close()
+
+
+def test_openenvs_client_through_the_facade_spreads_sockets_over_every_replica(cluster):
+    pytest.importorskip("openenv")
+    from openenv import GenericEnvClient
+
+    from webproc import WebProcess
+
+    async def main(url: str) -> tuple[dict, list]:
+        clients = [GenericEnvClient(base_url=f"{url}/openenv/frozenlake") for _ in range(9)]
+        for c in clients:
+            await c.__aenter__()
+        try:
+            for seed, c in enumerate(clients):
+                await c.reset(seed=seed)
+            counts = held(cluster, "frozenlake")
+            rewards = [(await c.step({"message": "<answer>Left</answer>"})).reward for c in clients]
+            return counts, rewards
+        finally:
+            for c in clients:
+                await c.__aexit__(None, None, None)
+
+    with WebProcess.facade(directory=cluster.url) as web:
+        counts, rewards = asyncio.run(main(web.url))
+    assert_spread(counts, 9)
+    assert len(rewards) == 9
