@@ -95,8 +95,16 @@ def cmd_serve(args) -> int:
     if unknown:
         print(f"unknown environment(s) {unknown}; registered: {env_ids()}", file=sys.stderr)
         return 2
-    run(_config(args, args.envs))
+    run(_config(args, args.envs), openenv_endpoint=_openenv_endpoint(args))
     return 0
+
+
+def _openenv_endpoint(args):
+    """The HTTP front a replica serves OpenEnv clients on, where --openenv-port asks for one."""
+    if getattr(args, "openenv_port", -1) < 0:
+        return None
+    from envserve.web.replica_endpoint import OpenEnvEndpoint
+    return OpenEnvEndpoint
 
 
 def cmd_up(args) -> int:
@@ -116,7 +124,7 @@ def cmd_up(args) -> int:
     print(f"envserve up: {len(envs)} environments; connect with EnvClient('{args.host}:{args.port}')", flush=True)
     if args.http_port >= 0:
         _web_beside_replica(args)
-    run(_config(args, envs))
+    run(_config(args, envs), openenv_endpoint=_openenv_endpoint(args))
     return 0
 
 

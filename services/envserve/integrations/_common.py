@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import os
 import re
 import threading
 import weakref

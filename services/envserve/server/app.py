@@ -57,7 +57,10 @@ def _serialize(message) -> bytes:
 
 
 class ReplicaServer:
-    def __init__(self, config: ServerConfig):
+    def __init__(self, config: ServerConfig, openenv_endpoint=None):
+        """openenv_endpoint: with config.openenv_port, makes the OpenEnv endpoint from a gateway over
+        this replica's sessions (gateway, host, port, idle_seconds) -> object with start(), stop()
+        and url; the command line hands in envserve.web's (the server depends on no HTTP front)."""
         if not config.env_ids:
             raise ValueError("serve at least one environment")
         self.config = config
@@ -71,7 +74,8 @@ class ReplicaServer:
         self.started_unix = time.time()
         self._heartbeat: asyncio.Task | None = None
         self._stopped = asyncio.Event()
-        self.openenv = None  # openenv_front.OpenEnvFront, with --openenv-port
+        self.openenv = None  # the OpenEnv endpoint, with --openenv-port
+        self._openenv_endpoint = openenv_endpoint
 
     async def start(self) -> int:
         opts = [*server_options(self.config.max_message_bytes, self.config.max_pending_calls), ("grpc.so_reuseport", 0)]
@@ -92,9 +96,11 @@ class ReplicaServer:
             self.metrics_port = self.metrics.serve_http(self.config.metrics_host, self.config.metrics_port)
         await self.server.start()
         if self.config.openenv_port >= 0:
-            from .openenv_front import OpenEnvFront
-            self.openenv = OpenEnvFront(self.replica, self.config.openenv_host or self.config.host,
-                                        self.config.openenv_port, self.config.openenv_idle_seconds)
+            if self._openenv_endpoint is None:
+                raise ValueError("an OpenEnv port needs the endpoint to serve on it (envserve.web's)")
+            from .openenv_front import LocalGateway
+            self.openenv = self._openenv_endpoint(LocalGateway(self.replica), self.config.openenv_host or self.config.host,
+                                                  self.config.openenv_port, self.config.openenv_idle_seconds)
             self.openenv.start()
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -195,8 +201,8 @@ class ReplicaServer:
         await self._stopped.wait()
 
 
-async def serve_forever(config: ServerConfig, ready=None) -> None:
-    server = ReplicaServer(config)
+async def serve_forever(config: ServerConfig, ready=None, openenv_endpoint=None) -> None:
+    server = ReplicaServer(config, openenv_endpoint)
     await server.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -213,6 +219,6 @@ async def serve_forever(config: ServerConfig, ready=None) -> None:
     await server.wait()
 
 
-def run(config: ServerConfig) -> None:
+def run(config: ServerConfig, openenv_endpoint=None) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    asyncio.run(serve_forever(config))
+    asyncio.run(serve_forever(config, openenv_endpoint=openenv_endpoint))

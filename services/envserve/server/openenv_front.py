@@ -10,12 +10,12 @@ message, as Interact sends them; results come back as the workers finish them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import grpc
 from google.protobuf import json_format
 
+from envserve.common.errors import ApiError
 from envserve.rpc.auth import Denied
 from envserve.v1 import envserve_pb2 as pb
 
@@ -46,14 +46,12 @@ class LocalGateway:
         self._batchers: dict[tuple, LocalBatcher] = {}  # by the caller's metadata
 
     def _owner(self, md) -> str:
-        from envserve.web.gateway import ApiError
         try:
             return self.r.auth.env_owner(_Metadata(tuple(md)))
         except Denied as e:
             raise ApiError(e.code, e.message) from None
 
     async def open(self, req: pb.OpenRequest, md) -> tuple[None, pb.OpenResponse]:
-        from envserve.web.gateway import ApiError
         owner = self._owner(md)
         config = json_format.MessageToDict(req.config) if req.HasField("config") else {}
         try:
@@ -67,7 +65,6 @@ class LocalGateway:
         return await self.r.close_sessions(list(ids), self._owner(md))
 
     async def serving(self, env_id: str, md) -> list:
-        from envserve.web.gateway import ApiError
         self._owner(md)
         if env_id not in self.r.specs:
             raise ApiError(grpc.StatusCode.NOT_FOUND,
@@ -180,39 +177,3 @@ class LocalBatcher:
                 finish()
 
         r.pool.stream(w, items, on_item)
-
-
-class OpenEnvFront:
-    """The replica's OpenEnv endpoint: an app with envserve.web.openenv's routes under /openenv,
-    served on host:port beside the gRPC server."""
-
-    def __init__(self, replica: Replica, host: str, port: int, idle_seconds: float = 300.0):
-        from fastapi import FastAPI
-
-        from envserve.web.app import add_error_handlers
-        from envserve.web.openenv import mount_openenv
-        from envserve.web.server import bind
-        self.gateway = LocalGateway(replica)
-        self.app = FastAPI(title="envserve OpenEnv endpoint")
-        add_error_handlers(self.app)
-        self.sessions = mount_openenv(self.app, self.gateway, idle_seconds=idle_seconds)
-        self.sock = bind(host, port)
-        self.host, self.port = host, self.sock.getsockname()[1]
-        self._server = None
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        from envserve.web.server import start_on_loop
-        self._server, self._task = start_on_loop(self.app, self.sock)
-
-    @property
-    def url(self) -> str:
-        from envserve.web.server import display
-        return display(self.host, self.port) + "/openenv"
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._task, 5.0)
-        await self.sessions.close_all()

@@ -12,20 +12,13 @@ from typing import Any, Callable
 
 import grpc
 
+from envserve.common.errors import ApiError  # noqa: F401 (the facade's callers import it from here)
 from envserve.directory import ReplicaInfo, replica_of
 from envserve.v1 import envserve_pb2 as pb
 
 from .routing import ReplicaTable
 
 log = logging.getLogger("envserve.web")
-
-
-class ApiError(Exception):
-    """A call that fails as a whole, with the gRPC code it would have had."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
 
 
 # Open failures that another replica may not have: full, draining, down, slow.
