@@ -7,7 +7,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "containers"))
 
-from serverproc import RedisProcess, ServerProcess  # noqa: E402
+from serverproc import ServerProcess, redis_or_skip  # noqa: E402
 
 GRID_ENVS = ["sokoban", "frozenlake", "minesweeper"]
 
@@ -62,11 +62,7 @@ def grid_server():
 @pytest.fixture
 def redis_server():
     """A real redis-server on a loopback port, empty, for this test (skips where none is installed)."""
-    try:
-        server = RedisProcess()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    with server:
+    with redis_or_skip() as server:
         yield server
 
 

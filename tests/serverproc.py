@@ -175,6 +175,15 @@ class RedisProcess:
         self.stop()
 
 
+def redis_or_skip() -> "RedisProcess":
+    """A real redis-server on a loopback port, or the test skipped where none is installed."""
+    try:
+        return RedisProcess()
+    except FileNotFoundError as e:
+        import pytest
+        pytest.skip(str(e))
+
+
 class Cluster:
     """Replicas registered in one directory, by replica id; a killed one can come back."""
 

@@ -18,7 +18,7 @@ from envserve.client import AsyncRoutedClient
 from envserve.directory import replica_of
 from envserve.integrations import close_channels
 from envserve.integrations.trl import environment_factory
-from serverproc import Cluster, RedisProcess
+from serverproc import Cluster, redis_or_skip
 
 IDS = ["rep-a", "rep-b", "rep-c"]
 MOVES = ["Right", "Down", "Left", "Up", "Down", "Right"]
@@ -26,11 +26,7 @@ MOVES = ["Right", "Down", "Left", "Up", "Down", "Right"]
 
 @pytest.fixture(scope="module")
 def cluster():
-    try:
-        redis = RedisProcess()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    with redis:
+    with redis_or_skip() as redis:
         c = Cluster(redis.url, ["frozenlake", "sokoban"], IDS)
         try:
             yield c
@@ -177,49 +173,44 @@ def test_a_forked_data_loader_worker_steps_its_own_sessions(cluster):
 
 
 # -- a replica killed -9 ---------------------------------------------------------------------------
-def test_a_killed_replicas_rollouts_are_rebuilt_and_the_others_go_on():
+def test_a_killed_replicas_rollouts_are_rebuilt_and_the_others_go_on(redis_server):
+    c = Cluster(redis_server.url, ["sokoban"], ["kill-a", "kill-b", "kill-c"])
     try:
-        redis = RedisProcess()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    with redis:
-        c = Cluster(redis.url, ["sokoban"], ["kill-a", "kill-b", "kill-c"])
-        try:
-            cls = environment_factory(c.url, "sokoban", include_rules=False)
-            ended = environment_factory(c.url, "sokoban", include_rules=False, recovery=False)
-            expected = {seed: play(cls, seed) for seed in range(9)}    # the same rollouts, no fault
-            envs = {seed: cls() for seed in range(9)}
-            plain = {seed: ended() for seed in range(9)}
-            texts = {seed: [env.reset(seed=seed)] for seed, env in envs.items()}
-            for seed, env in plain.items():
-                env.reset(seed=seed)
-            for seed, env in envs.items():
-                texts[seed] += [env.move(m) for m in MOVES[:3]]
-            # Sokoban's episodes outlast these moves, so every rollout is still going at the kill.
-            assert not any(env._done for env in envs.values())
-            victim = replica_of(envs[0]._session.real_id)
-            on_victim = [s for s, e in envs.items() if replica_of(e._session.real_id) == victim]
-            plain_on_victim = {s for s, e in plain.items() if replica_of(e._session.real_id) == victim}
-            assert plain_on_victim
-            c.replicas[victim].kill()
-            for seed, env in envs.items():
-                texts[seed] += [env.move(m) for m in MOVES[3:]]
-                texts[seed].append(env.get_reward())
-            assert texts == expected                       # every rollout, rebuilt or not, as without the fault
-            assert on_victim and all(replica_of(envs[s]._session.real_id) != victim for s in on_victim)
-            # Without recovery, the victim's rollouts end with text; the others go on.
-            for seed, env in plain.items():
-                out = env.move("Down")
-                if seed in plain_on_victim:
-                    # UNAVAILABLE while the directory still lists the victim, DATA_LOSS once it does not
-                    assert out.startswith(("Error: the environment failed (DATA_LOSS",
-                                           "Error: the environment failed (UNAVAILABLE")), out
-                else:
-                    assert not out.startswith("Error"), out
-            cls.close()
-            ended.close()
-        finally:
-            c.close()
+        cls = environment_factory(c.url, "sokoban", include_rules=False)
+        ended = environment_factory(c.url, "sokoban", include_rules=False, recovery=False)
+        expected = {seed: play(cls, seed) for seed in range(9)}    # the same rollouts, no fault
+        envs = {seed: cls() for seed in range(9)}
+        plain = {seed: ended() for seed in range(9)}
+        texts = {seed: [env.reset(seed=seed)] for seed, env in envs.items()}
+        for seed, env in plain.items():
+            env.reset(seed=seed)
+        for seed, env in envs.items():
+            texts[seed] += [env.move(m) for m in MOVES[:3]]
+        # Sokoban's episodes outlast these moves, so every rollout is still going at the kill.
+        assert not any(env._done for env in envs.values())
+        victim = replica_of(envs[0]._session.real_id)
+        on_victim = [s for s, e in envs.items() if replica_of(e._session.real_id) == victim]
+        plain_on_victim = {s for s, e in plain.items() if replica_of(e._session.real_id) == victim}
+        assert plain_on_victim
+        c.replicas[victim].kill()
+        for seed, env in envs.items():
+            texts[seed] += [env.move(m) for m in MOVES[3:]]
+            texts[seed].append(env.get_reward())
+        assert texts == expected                       # every rollout, rebuilt or not, as without the fault
+        assert on_victim and all(replica_of(envs[s]._session.real_id) != victim for s in on_victim)
+        # Without recovery, the victim's rollouts end with text; the others go on.
+        for seed, env in plain.items():
+            out = env.move("Down")
+            if seed in plain_on_victim:
+                # UNAVAILABLE while the directory still lists the victim, DATA_LOSS once it does not
+                assert out.startswith(("Error: the environment failed (DATA_LOSS",
+                                       "Error: the environment failed (UNAVAILABLE")), out
+            else:
+                assert not out.startswith("Error"), out
+        cls.close()
+        ended.close()
+    finally:
+        c.close()
 
 
 def test_openenvs_client_through_the_facade_spreads_sockets_over_every_replica(cluster):
