@@ -237,3 +237,31 @@ def test_openenvs_client_through_the_facade_spreads_sockets_over_every_replica(c
         counts, rewards = asyncio.run(main(web.url))
     assert_spread(counts, 9)
     assert len(rewards) == 9
+
+
+def test_a_step_past_its_deadline_fails_alone_and_the_stream_goes_on():
+    """A worker stopped (SIGSTOP) mid-episode: the sync step waits its deadline, fails
+    DEADLINE_EXCEEDED, and once the worker runs again the same stream answers the next steps."""
+    import os
+    import signal
+
+    from envserve.client import EnvServeError, RecoverySettings, StreamingClient
+    from serverproc import ServerProcess
+    with ServerProcess(["frozenlake"], workers=1, metrics=False) as server:
+        with StreamingClient(server.address, timeout=1.0, recovery=RecoverySettings(timeout_seconds=1.0)) as c:
+            sid = c.open("frozenlake", 1, {"max_turns": 1000})[0]
+            assert c.reset([sid], [0])[0].status.code == 0
+            assert c.step([(sid, "<answer>Left</answer>")])[0].turn == 1
+            (worker,) = server.worker_pids()
+            os.kill(worker, signal.SIGSTOP)
+            try:
+                with pytest.raises(EnvServeError) as e:
+                    c.step([(sid, "<answer>Left</answer>")])
+                assert e.value.code.name == "DEADLINE_EXCEEDED"
+            finally:
+                os.kill(worker, signal.SIGCONT)
+            streams = dict(c.routed._streams)
+            # The late step was stepped when the worker woke: the next one is turn 3, on the same stream.
+            r = c.step([(sid, "<answer>Left</answer>")])[0]
+            assert r.status.code == 0 and r.turn == 3, r
+            assert c.routed._streams == streams and len(streams) == 1
