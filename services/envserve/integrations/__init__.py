@@ -5,8 +5,9 @@ skyrl: `register(address, env_ids)` and `EnvServeTextEnv`, a skyrl_gym BaseTextE
 gem: `register(address, env_ids)` and `EnvServeEnv`, a gem.Env (`gem.make`, `gem.make_vec`).
 verl: `EnvServeAgentLoop` (verl's agent loop `envserve_agent`) and `EnvServeTool` (a verl BaseTool);
 imports verl, so only where verl is installed (deploy/trainer/verl-venv.sh).
-What they share (one channel per address, the session wrapper) is in `_common`; `close_channels()`
-closes the shared channels (they close at exit anyway).
+Each takes one replica's address, several, or a directory URL. What they share (one client per
+address and process, on the replicas' Interact streams, with recovery; the session wrapper) is in
+`_common`; `close_channels()` closes the shared clients (they close at exit anyway).
 """
 from ._common import close_channels
 
