@@ -11,7 +11,7 @@ FrozenLake 4x4 with no_think answers that walk into the wall from the start corn
 no episode ever ends and every step is the env's whole step (parse, move, text, ground truth);
 `envserve serve frozenlake` with 2 workers, client in this process.
 Reported: steps/s and the per-step p50/p99 each caller waits, at 1 and 64 sessions, and
-ratio_stream_b64 = stream_per_session / batch at 64 sessions (issue 19's target: >= 0.8).
+ratio_stream_b64 = stream_per_session / batch at 64 sessions (meant to be at least 0.8).
 
     python bench/per_session.py --json
 """

@@ -16,7 +16,7 @@ one after the other on the same replica:
   replay_fresh  the same with a new session per rollout (`--replay-fresh`; off by default on
                 ALFWorld, where a new session costs an engine process).
 Reported per env: wall seconds, env steps and sessions opened of each, and the speed-ups
-fork_speedup = replay / fork wall time (issue 18's target on ALFWorld: >= 3x).
+fork_speedup = replay / fork wall time (on ALFWorld, Fork is meant to be at least 3x faster).
 
 ALFWorld keeps a game's state in its engine process: Fork copies that process (os.fork of a frozen
 copy, one copy per fork; the env's fork_copies), where replay resets sessions and steps each

@@ -1,4 +1,4 @@
-"""The same trivial game served by OpenEnv 0.10 and by envserve, closed-loop sessions (issue 19).
+"""The same trivial game served by OpenEnv 0.10 and by envserve, closed-loop sessions.
 
 - The game: a 6x6 push-box room (walls on the border, one box, one target), written once here
   (PushBox) and wrapped twice: as an openenv Environment served by OpenEnv's own server

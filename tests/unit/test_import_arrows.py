@@ -105,7 +105,7 @@ def test_every_part_is_declared_and_the_walk_sees_them():
 
 
 @pytest.mark.parametrize("part,module,source", [
-    # core naming a concrete env, inside a function (the lazy import issue 20 removed)
+    # core naming a concrete env, inside a function (a lazy import the registry once had)
     ("core", "envserve.core.registry", "def f():\n    import envserve.envs\n"),
     # a relative import that climbs out of its part
     ("judge", "envserve.judge.relations", "from ..core.relations import indexed_names\n"),

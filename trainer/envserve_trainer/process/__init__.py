@@ -1,4 +1,4 @@
-"""Process rewards over Fork (issue 18): Monte-Carlo values of session states (montecarlo.py) and
+"""Process rewards over Fork: Monte-Carlo values of session states (montecarlo.py) and
 the methods' formulas as pure functions, a module each: agentprm, inverse_prm, progrm, ipr, rro,
 arpo, and dpo (the DPO family IPR and RRO train with); their defaults in config.py."""
 from . import agentprm, arpo, dpo, inverse_prm, ipr, progrm, rro

@@ -1,4 +1,4 @@
-"""Defaults of the process-reward methods (issue 18), one frozen dataclass per method.
+"""Defaults of the process-reward methods, one frozen dataclass per method.
 
 Numbers the issue's notes give are marked "notes"; the rest are this project's choices, marked
 "ours" with the reason, so that nothing a method depends on is a literal in the code. Each class
