@@ -89,9 +89,6 @@ class AddressDirectory(Directory):
             raise from_rpc_error(refused[0])
         return found
 
-    def get(self, replica_id: str) -> ReplicaInfo | None:
-        return next((r for r in self.replicas() if r.replica_id == replica_id), None)
-
     def heartbeat(self, info: ReplicaInfo, ttl_seconds: float) -> None:
         raise DirectoryUnavailable("fixed replica addresses take no registrations: give replicas a directory URL")
 
