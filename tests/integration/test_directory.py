@@ -170,3 +170,65 @@ def test_routed_client_falls_back_when_a_replica_refuses():
         ids = client.open("sokoban", 4)
         assert len(ids) == 4
         client.close()
+
+
+def test_clients_of_replicas_gone_from_the_directory_are_closed(redis_server):
+    """A long run over replicas that come and go (killed, drained, replaced under new ids) keeps
+    connections to the live ones only: one absent from the listings for retire_after_seconds is
+    gone, its channel closed; one absent from a single listing is not."""
+    import asyncio
+
+    from envserve.client import AsyncRoutedClient
+
+    a, b = _serve(redis_server.url, "ret-a"), _serve(redis_server.url, "ret-b")
+    try:
+        directory = open_directory(redis_server.url)
+        _wait_listed(directory, ["ret-a", "ret-b"])
+        sync = RoutedClient(redis_server.url, refresh_seconds=0, retire_after_seconds=2.0)
+
+        async def open_async(aio):
+            sids = await aio.open("sokoban", 4)
+            await aio.reset(sids, 1)
+            return sids
+
+        loop = asyncio.new_event_loop()
+        aio = AsyncRoutedClient(redis_server.url, refresh_seconds=0, retire_after_seconds=2.0, stream_steps=True)
+        sync_ids = sync.open("sokoban", 4)
+        async_ids = loop.run_until_complete(open_async(aio))
+        assert {replica_of(s) for s in sync_ids} == {replica_of(s) for s in async_ids} == {"ret-a", "ret-b"}
+        check(sync.reset(sync_ids, 1)[0])
+        (a_client,) = [c for (rid, _), c in sync._clients.items() if rid == "ret-a"]
+
+        a.kill()  # its entry expires two heartbeats later
+        _wait_listed(directory, ["ret-b"])
+        sync.replicas(refresh=True)
+        # Absent from one listing (as after Redis restarted empty): kept.
+        assert "ret-a" in {k[0] for k in sync._clients}
+        deadline = time.monotonic() + 30
+        while "ret-a" in {k[0] for k in sync._clients} and time.monotonic() < deadline:
+            time.sleep(0.2)
+            sync.replicas(refresh=True)
+        assert {k[0] for k in sync._clients} == {"ret-b"}
+        with pytest.raises(ValueError, match="closed channel"):
+            a_client.list_envs()
+        on_b = [s for s in sync_ids if replica_of(s) == "ret-b"]
+        assert all(r.status.code == 0 for r in sync.step([(s, "<answer>Up</answer>") for s in on_b]))
+
+        async def retire_async():
+            deadline = time.monotonic() + 30
+            while "ret-a" in {k[0] for k in aio._clients} and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+                await aio.open("sokoban", 1)  # an open lists the replicas
+            on_b = [s for s in async_ids if replica_of(s) == "ret-b"]
+            return await aio.step([(s, "<answer>Up</answer>") for s in on_b])
+
+        stepped = loop.run_until_complete(retire_async())
+        assert {k[0] for k in aio._clients} == {"ret-b"}
+        assert {c.address for c in aio._streams} <= {b.address} and stepped
+        assert all(r.status.code == 0 for r in stepped)
+        loop.run_until_complete(aio.close())
+        loop.close()
+        sync.close()
+    finally:
+        a.kill()
+        b.kill()

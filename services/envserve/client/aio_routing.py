@@ -34,9 +34,30 @@ class AsyncRoutedClient(Router):
         super().__init__(*args, **kwargs)
         self.stream_steps = stream_steps
         self._streams: dict[AsyncEnvClient, InteractStream] = {}
+        self._retired: list = []  # clients of replicas that are gone, closed on this client's loop
+
+    def _retire(self, clients: list) -> None:
+        # Called wherever the listing is read, often in a worker thread: the loop closes them.
+        with self._lock:
+            self._retired.extend(clients)
+
+    async def _close_retired(self) -> None:
+        with self._lock:
+            retired, self._retired = self._retired, []
+        for c in retired:
+            if isinstance(c, AsyncEnvClient):
+                s = self._streams.pop(c, None)
+                if s is not None:
+                    await s.__aexit__(None, None, None)
+                await c.close()
+            else:
+                c.close()
 
     async def _refresh(self, env_id: str | None = None) -> list[ReplicaInfo]:
-        return await asyncio.to_thread(self.replicas, env_id)
+        found = await asyncio.to_thread(self.replicas, env_id)
+        if self._retired:
+            await self._close_retired()
+        return found
 
     async def _resolve(self, session_id: str) -> ReplicaInfo | None:
         r = self._known.get(replica_of(session_id))
@@ -276,6 +297,7 @@ class AsyncRoutedClient(Router):
         return list(specs.values())
 
     async def close(self) -> None:
+        await self._close_retired()
         streams, self._streams = list(self._streams.values()), {}
         for s in streams:
             await s.__aexit__(None, None, None)

@@ -75,13 +75,17 @@ class Router:
     and which replica a session lives on. directory: a Directory, its URL, or the replicas'
     addresses (one, a list, or a string joined by commas; see addresses.py). use_external:
     connect to the replicas' external addresses (published container ports). recovery: rebuild lost
-    sessions on live replicas (True, the default), not (False), or RecoverySettings."""
+    sessions on live replicas (True, the default), not (False), or RecoverySettings.
+    retire_after_seconds: a replica missing from every successful listing for this long is gone
+    (killed, drained, replaced under a new id): its connections are closed, so a long run over
+    replicas that come and go holds connections to the live ones only."""
 
     client_class = EnvClient
 
     def __init__(self, directory: "Directory | str | Sequence[str]", token: str | None = None, state_token: str | None = None,
                  root_certificates: "bytes | str | None" = None, tls: bool = False, use_external: bool = False,
                  timeout: float | None = 60.0, refresh_seconds: float = 1.0, max_open_per_call: int = 4096,
+                 retire_after_seconds: float = 120.0,
                  recovery: "RecoverySettings | bool" = True):
         self.directory = directory_for(directory, token, root_certificates, tls)
         self._owns_directory = self.directory is not directory
@@ -93,6 +97,8 @@ class Router:
         self._lock = threading.Lock()
         self._known: dict[str, ReplicaInfo] = {}
         self._seen: dict[str, ReplicaInfo] = {}  # every replica listed so far, as last listed
+        self.retire_after_seconds = retire_after_seconds
+        self._missing_since: dict[str, float] = {}  # seen replicas absent from the last listings
         self._fetched = 0.0
         self._opened_since_fetch: dict[str, int] = {}
         self._clients: dict[tuple[str, str], EnvClient] = {}
@@ -114,9 +120,40 @@ class Router:
                 with self._lock:
                     self._known = {r.replica_id: r for r in found}
                     self._seen.update(self._known)
-                    self._fetched = time.monotonic()
+                    self._fetched = now = time.monotonic()
                     self._opened_since_fetch.clear()
+                    gone = self._gone_since(now)
+                if gone:
+                    self._retire(gone)
         return [r for r in self._known.values() if env_id is None or env_id in r.envs]
+
+    def _gone_since(self, now: float) -> list:
+        """(Under the lock, after a listing.) The clients of replicas absent from every listing for
+        retire_after_seconds, forgotten. Absent from one listing is not gone: Redis restarted empty
+        lists no one until the replicas' next heartbeats."""
+        for rid in self._seen:
+            if rid in self._known:
+                self._missing_since.pop(rid, None)
+            else:
+                self._missing_since.setdefault(rid, now)
+        gone = {rid for rid, t in self._missing_since.items() if now - t >= self.retire_after_seconds}
+        if not gone:
+            return []
+        for rid in gone:
+            del self._missing_since[rid]
+            del self._seen[rid]
+        clients = []
+        for table in (self._clients, self._blocking):
+            for key in [k for k in table if k[0] in gone]:
+                c = table.pop(key)
+                if all(c is not other for other in clients):
+                    clients.append(c)
+        return clients
+
+    def _retire(self, clients: list) -> None:
+        """Close the clients of replicas that are gone (the async router closes them on its loop)."""
+        for c in clients:
+            c.close()
 
     def address(self, r: ReplicaInfo) -> str:
         """Where to reach a replica: its external address (published port) with use_external."""
