@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Builds the envserve images (one per environment family, the HTTP facade, the judge, the trainer) with docker or podman.
-#   deploy/build-images.sh [--engine docker|podman] [--base-image IMAGE] [--tag TAG] [--pip-cert PATH]
-#                          [--wheels DIR] [--build-arg KEY=VALUE]... [IMAGE...]
-# IMAGE: grid, web, judge (the default set), webshop, scienceworld, alfworld, svg, navigation, maniskill,
-# trainer (CPU torch), trainer-cuda (CUDA torch and vLLM; needs the network), redis (a local Redis for
-# machines with no registry). Each is tagged envserve-<name>:<tag>, built from deploy/Dockerfile with
-# FAMILY=<name> (trainer-cuda: FAMILY=trainer and the CUDA arguments).
+#   deploy/build-images.sh [--engine docker|podman] [--base-image IMAGE] [--registry REGISTRY] [--tag TAG]
+#                          [--pip-cert PATH] [--wheels DIR] [--build-arg KEY=VALUE]... [--push] [--dry-run]
+#                          [--all | IMAGE...]
+# IMAGE: grid, webshop, scienceworld, alfworld, svg, navigation, maniskill, web, judge, trainer (CPU torch),
+# trainer-cuda (CUDA torch and vLLM; needs the network), redis (a local Redis for machines with no registry).
+# Default: grid web judge trainer, what the k8s overlays deploy as shipped. --all: every image a k8s
+# component deploys (the seven families, web, judge, trainer).
+# Each is tagged REGISTRY/envserve-<name>:TAG (default localhost/envserve-<name>:latest: the same name under
+# docker and podman), built from deploy/Dockerfile with FAMILY=<name> (trainer-cuda: FAMILY=trainer and the
+# CUDA arguments). --push pushes each after its build. --dry-run prints the commands and runs nothing.
 # --wheels DIR: a folder of wheels pip prefers (the trainer's or maniskill's torch), for machines that cannot
 # reach the PyTorch index; with it, --build-arg TORCH_INDEX_URL= (empty: PyPI for the rest).
 set -euo pipefail
@@ -13,19 +17,27 @@ cd "$(dirname "$0")/.."
 
 engine=""
 base_image=python:3.11-slim
+registry=localhost
 tag=latest
+push=0
+dry_run=0
+all=0
 pip_cert=""
 wheels=""
 build_args=()
 images=()
 
-usage() { sed -n '2,10s/^# \{0,1\}//p' "$0"; }
+usage() { sed -n '2,15s/^# \{0,1\}//p' "$0"; }
 
 while [ $# -gt 0 ]; do
   case "$1" in
     --engine) engine=$2; shift 2 ;;
     --base-image) base_image=$2; shift 2 ;;
+    --registry) registry=${2%/}; shift 2 ;;
     --tag) tag=$2; shift 2 ;;
+    --push) push=1; shift ;;
+    --dry-run) dry_run=1; shift ;;
+    --all) all=1; shift ;;
     --pip-cert) pip_cert=$2; shift 2 ;;
     --wheels) wheels=$2; shift 2 ;;
     --build-arg) build_args+=(--build-arg "$2"); shift 2 ;;
@@ -34,15 +46,32 @@ while [ $# -gt 0 ]; do
     *) images+=("$1"); shift ;;
   esac
 done
-[ ${#images[@]} -gt 0 ] || images=(grid web judge)
+
+# What the overlays in k8s/overlays deploy as shipped (their components: family-grid, web, judge, trainer),
+# and every image some component in k8s/components deploys. tests/deploy/test_k8s_manifests.py checks both
+# against the rendered manifests.
+DEFAULT_IMAGES=(grid web judge trainer)
+ALL_IMAGES=(grid webshop scienceworld alfworld svg navigation maniskill web judge trainer)
+if [ "$all" = 1 ]; then
+  [ ${#images[@]} -eq 0 ] || { echo "--all builds every image; name none besides it" >&2; exit 2; }
+  images=("${ALL_IMAGES[@]}")
+fi
+[ ${#images[@]} -gt 0 ] || images=("${DEFAULT_IMAGES[@]}")
+[ -n "$registry" ] || { echo "--registry needs a value (default: localhost)" >&2; exit 2; }
 
 # A docker CLI without a reachable daemon does not count: prefer a working docker, else podman.
 if [ -z "$engine" ]; then
   if command -v docker >/dev/null && docker info >/dev/null 2>&1; then engine=docker
   elif command -v podman >/dev/null; then engine=podman
+  elif [ "$dry_run" = 1 ]; then engine=docker
   else echo "no container engine: install docker or podman, or pass --engine" >&2; exit 1
   fi
 fi
+
+# --dry-run: print each command, shell-quoted, instead of running it.
+run() {
+  if [ "$dry_run" = 1 ]; then printf '%q ' "$@" | sed 's/ $//'; echo; else "$@"; fi
+}
 
 args=(--build-arg "BASE_IMAGE=$base_image")
 case "$(basename "$engine")" in
@@ -51,12 +80,12 @@ case "$(basename "$engine")" in
   docker) export DOCKER_BUILDKIT=1 ;;  # RUN --mount=type=secret needs BuildKit
 esac
 if [ -n "$pip_cert" ]; then
-  [ -r "$pip_cert" ] || { echo "--pip-cert $pip_cert is not readable" >&2; exit 1; }
+  [ -r "$pip_cert" ] || [ "$dry_run" = 1 ] || { echo "--pip-cert $pip_cert is not readable" >&2; exit 1; }
   args+=(--secret "id=pipcert,src=$pip_cert")
 fi
 
 if [ -n "$wheels" ]; then
-  [ -d "$wheels" ] || { echo "--wheels $wheels is not a directory" >&2; exit 1; }
+  [ -d "$wheels" ] || [ "$dry_run" = 1 ] || { echo "--wheels $wheels is not a directory" >&2; exit 1; }
 fi
 
 # The CUDA trainer: vLLM 0.33.0 pins torch==2.14.0 and its kernels are built against PyPI's (CUDA) torch,
@@ -83,10 +112,14 @@ for name in "${images[@]}"; do
   if [ -n "$wheels" ]; then
     context=(--build-context "wheels=$wheels")
   fi
+  # A fully qualified name: an unqualified one is docker.io/library/... under docker but localhost/...
+  # under podman, and a cluster's runtime would look for the docker.io one.
+  ref="$registry/envserve-$name:$tag"
   start=$(date +%s)
-  echo "== building envserve-$name:$tag from $base_image with $engine"
+  [ "$dry_run" = 1 ] || echo "== building $ref from $base_image with $engine"
   # The caller's --build-arg comes last, so it overrides a variant's.
-  "$engine" build "${args[@]}" --build-arg "FAMILY=$family" "${variant[@]}" "${build_args[@]}" "${context[@]}" \
-    -f "$dockerfile" -t "envserve-$name:$tag" .
-  echo "== envserve-$name:$tag built in $(( $(date +%s) - start )) s"
+  run "$engine" build "${args[@]}" --build-arg "FAMILY=$family" "${variant[@]}" "${build_args[@]}" "${context[@]}" \
+    -f "$dockerfile" -t "$ref" .
+  [ "$push" = 0 ] || run "$engine" push "$ref"
+  [ "$dry_run" = 1 ] || echo "== $ref built in $(( $(date +%s) - start )) s"
 done

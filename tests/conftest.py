@@ -95,7 +95,7 @@ def built(engine):
 
 @pytest.fixture(scope="session")
 def trainer_built(engine, built):
-    """The CPU trainer image (envserve-trainer:latest), built once a session like the others."""
+    """The CPU trainer image (localhost/envserve-trainer:latest), built once a session like the others."""
     from stack import build_trainer_image
     base, _, timings = built
     return build_trainer_image(engine, base, "latest", timings)

@@ -126,7 +126,8 @@ def start(client, envs: list[str], tag: str = "latest", redis_image: str = DEFAU
     unknown = [e for e in envs if e not in FAMILY_IMAGES]
     if unknown:
         raise ValueError(f"no container image serves {unknown}; known: {sorted(FAMILY_IMAGES)}")
-    images = {e: f"envserve-{FAMILY_IMAGES[e]}:{tag}" for e in envs}
+    # The names deploy/build-images.sh gives them, the same under docker and podman.
+    images = {e: f"localhost/envserve-{FAMILY_IMAGES[e]}:{tag}" for e in envs}
     missing = sorted({i for i in images.values() if not _image_present(client, i)})
     if missing:
         raise ContainersUnavailable(f"images {missing} are missing: build them with deploy/build-images.sh")

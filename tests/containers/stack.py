@@ -205,7 +205,7 @@ def build_trainer_image(engine: Engine, base: str, tag: str, timings: dict[str, 
     if out.returncode != 0:
         raise RuntimeError(f"build-images.sh trainer failed:\n{out.stdout[-6000:]}\n{out.stderr[-4000:]}")
     timings["build_trainer_s"] = time.monotonic() - start
-    return f"envserve-trainer:{tag}"
+    return f"localhost/envserve-trainer:{tag}"
 
 
 def choose_base() -> str:

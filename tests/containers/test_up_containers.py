@@ -17,7 +17,7 @@ def test_up_containers_serves_every_grid_env_through_the_directory(engine_api, b
     from envserve.client.routing import RoutedClient
     from envserve.demo import play
     base, _, _ = built
-    redis_image = "envserve-redis:latest" if base == "local" else containers.DEFAULT_REDIS_IMAGE
+    redis_image = "localhost/envserve-redis:latest" if base == "local" else containers.DEFAULT_REDIS_IMAGE
     name = f"envup{uuid.uuid4().hex[:8]}"
     label = f"{containers.LABEL}={name}"
     stack = containers.start(engine_api, GRID_ENVS, redis_image=redis_image, name=name, first_port=0,
