@@ -9,7 +9,7 @@ the official json_2.1.1 data where $ALFWORLD_DATA has it, else generated (games.
 
 Two choices differ from the alfworld package's own text environment, each behind a config key:
 - goal_in_observations (default on): every observation after the first starts with the task line
-  "Your task is to: ...", as verl-agent's ALFWorld prompt (GiGPO, RLVMR) repeats the task each
+  "Your task is to: ...", as verl-agent's ALFWorld prompt (GiGPO's code) repeats the task each
   turn; the package states it in the first observation only (off: its observations as they are).
 - invalid_action_penalty (default -0.1, the session's common key, set here explicitly): added for
   a command the game cannot carry out ("Nothing happens."), where the package's reward is 0 (set
