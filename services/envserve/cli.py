@@ -570,7 +570,7 @@ def _judge_previews(args) -> list[dict]:
         truth = records[f]
         previous = records["grounding"] if f == "world_modeling" else None
         family = prompt_family(env_id, truth["state"])
-        used = mode if mode != "structured" or family_has_claims(family) else "yesno"
+        used = mode if mode != "structured" or _family_has_claims(family) else "yesno"
         notes = [f"LLM judge prompt: env {env_id}, field {f}, mode {used}, prompt family {family}",
                  f"ground truth: turn {truth['turn']} of episode {truth['episode']} (anchor {truth['anchor']})"
                  + (f", after the state of turn {previous['turn']}" if previous else "")]
@@ -596,7 +596,7 @@ def _judge_previews(args) -> list[dict]:
     return out
 
 
-def family_has_claims(family: str) -> bool:
+def _family_has_claims(family: str) -> bool:
     from envserve.judge.prompts import claim_family
     return claim_family(family) is not None
 

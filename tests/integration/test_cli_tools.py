@@ -150,6 +150,23 @@ def test_judge_preview_prints_the_prompts_the_llm_judge_sends(grid_server):
     assert no_fields.returncode == 2 and "--field" in no_fields.stderr
 
 
+def test_judge_preview_of_a_live_session_reads_the_turns_the_service_reads(grid_server):
+    with EnvClient(grid_server.address) as c:
+        sid = played(c, "sokoban", 5, ["Left", "Down"])
+        t1, t2 = (record_of(c.get_state(sid, t)) for t in (1, 2))
+        base = ["judge", "--preview", "--env-address", grid_server.address, "--session", sid, "--reply", REPLY,
+                "--field", "world_modeling"]
+        out = cli(*base, "--turn", "1")
+        assert out.returncode == 0, out.stderr
+        prompt = judge_prompt("yesno", "sokoban", "world_modeling", "the box is on the target", t2, t1)
+        assert prompt.messages[1]["content"] in out.stdout
+        assert "ground truth: turn 2 of episode 0" in out.stdout
+        latest = cli(*base)            # the latest turn has no turn after it yet
+        assert latest.returncode == 1 and "turn 3" in latest.stderr
+        assert c.step_one(sid, "<answer>Up</answer>").turn == 3     # the session is still the caller's
+        c.close_sessions([sid])
+
+
 BIG_STATE_ENV = textwrap.dedent('''
     from envserve.core import ActionOutcome, Environment, EnvSpec, GroundTruth
 
