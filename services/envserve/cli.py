@@ -1,9 +1,11 @@
-"""envserve command line: serve | up | ls | play."""
+"""envserve command line: serve | up | web | judge | ls | replicas | play | state | new-env | health | demo."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import sys
 
 
@@ -161,7 +163,10 @@ def cmd_web(args) -> int:
 
 
 def cmd_judge(args) -> int:
-    """The JudgeService over the replicas of a directory or one fixed replica."""
+    """The JudgeService over the replicas of a directory or one fixed replica; with --preview, the
+    prompt its LLM judge would send for one agent reply."""
+    if args.preview:
+        return cmd_judge_preview(args)
     from envserve.judge.app import JudgeServer, JudgeServerConfig, run
     from envserve.rpc.auth import read_tokens
     settings = JudgeServerConfig.read_file(args.config) if args.config else {}
@@ -233,8 +238,15 @@ def cmd_play(args) -> int:
     from envserve.client import EnvClient
     if args.address:
         return _play(EnvClient(args.address), args)
-    import threading
+    with _embedded_server([args.env]) as address:
+        return _play(EnvClient(address), args)
+
+
+@contextlib.contextmanager
+def _embedded_server(env_ids):
+    """A replica with one worker in a thread of this process, on a free loopback port; yields its address."""
     import asyncio
+    import threading
     from envserve.server.app import ReplicaServer
     from envserve.server.config import ServerConfig
 
@@ -243,8 +255,13 @@ def cmd_play(args) -> int:
 
     def serve():
         async def main():
-            server = ReplicaServer(ServerConfig(env_ids=[args.env], port=0, workers=1))
-            await server.start()
+            try:
+                server = ReplicaServer(ServerConfig(env_ids=list(env_ids), port=0, workers=1))
+                await server.start()
+            except BaseException as e:   # reported by the caller's thread
+                holder["error"] = e
+                ready.set()
+                return
             holder["server"], holder["loop"] = server, asyncio.get_running_loop()
             ready.set()
             await server.wait()
@@ -253,8 +270,10 @@ def cmd_play(args) -> int:
     t = threading.Thread(target=serve, daemon=True)
     t.start()
     ready.wait()
+    if "error" in holder:
+        raise holder["error"]
     try:
-        return _play(EnvClient(holder["server"].address), args)
+        yield holder["server"].address
     finally:
         asyncio.run_coroutine_threadsafe(holder["server"].stop(), holder["loop"]).result(10)
 
@@ -288,6 +307,311 @@ def _play(client, args) -> int:
         print(f"reward {r.reward:+.2f} {dict(r.reward_components)}\n")
     client.close_sessions([sid])
     client.close()
+    return 0
+
+
+# -- ground truth from the command line: `state` and `judge --preview` ---------------------------------
+class _CliError(Exception):
+    """Bad input or a failed call: the message goes to stderr, the exit status is `status`."""
+
+    def __init__(self, message: str, status: int = 2):
+        super().__init__(message)
+        self.status = status
+
+
+def _first_token(path: str) -> str | None:
+    from envserve.rpc.auth import read_tokens
+    return (read_tokens(path) or (None,))[0] if path else None
+
+
+@contextlib.contextmanager
+def _truth_client(env_id: str, address: str, token_file: str = "", state_token_file: str = "", tls_ca: str = ""):
+    """A client of the replica at `address`, or of a replica started in this process for env_id."""
+    from envserve.client import EnvClient
+    if address:
+        with EnvClient(address, token=_first_token(token_file), state_token=_first_token(state_token_file),
+                       root_certificates=tls_ca or None) as client:
+            yield client
+        return
+    from envserve.core.registry import env_ids
+    if env_id not in env_ids():
+        raise _CliError(f"unknown environment {env_id!r}; registered here: {env_ids()} (or give a replica's address)")
+    with _embedded_server([env_id]) as local, EnvClient(local) as client:
+        yield client
+
+
+def _turn_text(action: str) -> str:
+    """An action as a turn's text: a bare action goes in <answer> tags; a full reply stays as it is."""
+    return action if "<" in action else f"<answer>{action}</answer>"
+
+
+def _env_config(text: str) -> dict | None:
+    if not text:
+        return None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _CliError(f"the env config must be a JSON object: {e}") from None
+    if not isinstance(config, dict):
+        raise _CliError(f"the env config must be a JSON object, got {text!r}")
+    return config
+
+
+def _fresh_session(client, env_id: str, config: dict | None, seed: int, actions) -> tuple[str, object]:
+    """A new session of env_id reset with seed, after one turn per action; (session id, last result).
+    Invalid actions are reported on stderr and count as turns, as they do for an agent."""
+    from envserve.client import check
+    sid = client.open(env_id, 1, config, "no_think")[0]
+    r = check(client.reset([sid], [seed])[0])
+    for k, action in enumerate(actions, 1):
+        if r.done or r.truncated:
+            client.close_sessions([sid])
+            raise _CliError(f"the episode ended at turn {r.turn}, before action {k} ({action!r})", 1)
+        r = check(client.step([(sid, _turn_text(action))])[0])
+        if not r.action_valid:
+            print(f"turn {r.turn}: {action!r} was not valid: {r.feedback}", file=sys.stderr)
+    return sid, r
+
+
+def _plain_numbers(value):
+    """Struct carries every number as a double: show the integral ones as integers. Its maps keep
+    no order: keys are sorted, so the same state prints the same."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _plain_numbers(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [_plain_numbers(v) for v in value]
+    return value
+
+
+def _pretty_json(value, indent: int = 0, width: int = 100) -> str:
+    """Indented JSON; a list that fits in the width, or holds no list or object, stays on one line."""
+    pad, inner = " " * indent, " " * (indent + 2)
+    one_line = json.dumps(value, ensure_ascii=False)
+    if isinstance(value, list) and len(one_line) + indent <= width:
+        return one_line
+    if isinstance(value, dict) and value:
+        items = [f"{inner}{json.dumps(k, ensure_ascii=False)}: {_pretty_json(v, indent + 2, width)}"
+                 for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + f"\n{pad}}}"
+    if isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value):
+        return "[\n" + ",\n".join(f"{inner}{_pretty_json(v, indent + 2, width)}" for v in value) + f"\n{pad}]"
+    return one_line
+
+
+def _record_json(response, session_id: str = "") -> dict:
+    from envserve.client import state_dict
+    out = {"env_id": response.env_id}
+    if session_id:
+        out["session_id"] = session_id
+    out.update(trial=response.trial, episode=response.episode, turn=response.turn, anchor=response.anchor,
+               observation_text=response.observation_text, state=_plain_numbers(state_dict(response)))
+    return out
+
+
+def cmd_state(args) -> int:
+    """A session's ground truth (GetState): a live session's on a replica, or a fresh session's after
+    --seed and --action turns."""
+    from envserve.client.errors import EnvServeError
+    try:
+        if args.session and (args.action or args.seed is not None or args.config):
+            raise _CliError("give --session (a live session) or --seed/--action/--config (a fresh one), not both")
+        if args.session and not args.address:
+            raise _CliError("--session needs the --address of the replica that holds it")
+        with _truth_client(args.env, args.address, args.token_file, args.state_token_file, args.tls_ca) as client:
+            if args.session:
+                response = client.get_state(args.session, args.turn, args.episode)
+                if response.env_id != args.env:
+                    raise _CliError(f"session {args.session} is a {response.env_id!r} session, not {args.env!r}")
+                sid = args.session
+            else:
+                sid, _ = _fresh_session(client, args.env, _env_config(args.config), args.seed or 0, args.action)
+                try:
+                    response = client.get_state(sid, args.turn)
+                finally:
+                    client.close_sessions([sid])
+                sid = ""
+    except _CliError as e:
+        print(f"envserve state: {e}", file=sys.stderr)
+        return e.status
+    except EnvServeError as e:
+        print(f"envserve state: {e}", file=sys.stderr)
+        return 1
+    record = _record_json(response, sid)
+    if args.json:
+        record["relations"] = list(response.relations)
+        print(json.dumps(record, indent=2, ensure_ascii=False))
+        return 0
+    print(_pretty_json(record))
+    if response.relations:
+        print("\nRelations:")
+        for sentence in response.relations:
+            print(f"- {sentence}")
+    return 0
+
+
+_REPLY_FIELDS = {"grounding": "observation", "world_modeling": "prediction"}
+
+
+def _tag(text: str, tag: str) -> str | None:
+    m = re.search(rf"<{tag}>(.*?)</{tag}>", text, re.DOTALL | re.IGNORECASE)
+    return m.group(1).strip() if m else None
+
+
+def cmd_judge_preview(args) -> int:
+    """The prompt(s) the LLM judge would send for one agent reply, with the ground truth it reads."""
+    from envserve.client.errors import EnvServeError
+    try:
+        prompts = _judge_previews(args)
+    except _CliError as e:
+        print(f"envserve judge --preview: {e}", file=sys.stderr)
+        return e.status
+    except EnvServeError as e:
+        print(f"envserve judge --preview: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({p["field"]: p["body"] for p in prompts}, indent=2, ensure_ascii=False))
+        return 0
+    for k, p in enumerate(prompts):
+        if k:
+            print()
+        for line in p["notes"]:
+            print(f"# {line}")
+        for message in p["body"]["messages"] if p["body"] else ():
+            print(f"--- {message['role']} ---")
+            print(message["content"])
+    return 0
+
+
+def _judge_previews(args) -> list[dict]:
+    from envserve.judge import JudgeConfig
+    from envserve.judge.app import JudgeServerConfig
+    from envserve.judge.prompts import MAX_STATE_CHARS, judge_prompt, prompt_family, state_cut
+    from envserve.judge.service import record_of
+
+    if not args.env and not args.session:
+        raise _CliError("--preview needs --env ENV (a fresh session) or --env-address and --session SID")
+    if args.session and not args.env_address:
+        raise _CliError("--session needs the --env-address of the replica that holds it")
+    if args.session and (args.action or args.seed is not None or args.env_config):
+        raise _CliError("give --session (a live session) or --seed/--action/--env-config (a fresh one), not both")
+    reply = sys.stdin.read() if args.reply == "-" else args.reply
+    if reply is None:
+        raise _CliError("--preview needs the agent's --reply (its whole text for the turn; '-' reads stdin)")
+    if args.field:
+        fields = [args.field]
+    else:
+        fields = [f for f, tag in _REPLY_FIELDS.items() if _tag(reply, tag) is not None]
+        if not fields:
+            raise _CliError("the reply has no <observation> or <prediction>: give --field to judge the whole "
+                            "reply as that field's text")
+    settings = JudgeServerConfig.read_file(args.config) if args.config else {}
+    try:
+        scoring = JudgeConfig.from_mapping(settings.get("scoring") or {})
+    except ValueError as e:
+        raise _CliError(f"scoring settings: {e}") from None
+    llm = dict(settings.get("llm") or {})
+    for key, value in (("base_url", args.llm_base_url), ("model", args.llm_model), ("mode", args.llm_mode)):
+        if value:
+            llm[key] = value
+    mode = llm.get("mode") or "yesno"
+    llm_config = None
+    if args.json:
+        from envserve.judge.llm_judge import LLMJudgeConfig
+        try:
+            llm_config = LLMJudgeConfig.from_mapping(llm)
+        except ValueError as e:
+            raise _CliError(f"--json prints the whole request, which needs the judge's LLM settings "
+                            f"(--llm-model, or llm in --config): {e}") from None
+    texts = {f: _tag(reply, _REPLY_FIELDS[f]) for f in fields}
+    texts = {f: (t if t is not None else reply.strip()) for f, t in texts.items()}
+
+    with _truth_client(args.env, args.env_address, args.env_token_file, args.state_token_file,
+                       args.env_tls_ca) as client:
+        if args.session:
+            now = client.get_state(args.session, args.turn)
+            env_id = now.env_id
+            if args.env and args.env != env_id:
+                raise _CliError(f"session {args.session} is a {env_id!r} session, not {args.env!r}")
+
+            def after():
+                try:
+                    return client.get_state(args.session, now.turn + 1, now.episode, now.trial)
+                except EnvServeError as e:
+                    raise _CliError(f"world modelling reads turn {now.turn + 1}, which the session does not "
+                                    f"have ({e})", 1) from None
+            sid = ""
+        else:
+            env_id = args.env
+            sid, _ = _fresh_session(client, env_id, _env_config(args.env_config), args.seed or 0, args.action)
+            now = client.get_state(sid, -1)
+
+            def after():
+                answer = _tag(reply, "answer")
+                if answer is None:
+                    raise _CliError("world modelling is judged against the state after the reply's action(s): "
+                                    "the reply needs its <answer>")
+                from envserve.client import check
+                r = check(client.step([(sid, f"<answer>{answer}</answer>")])[0])
+                if not r.action_valid:
+                    print(f"the reply's action {answer!r} was not valid: {r.feedback}", file=sys.stderr)
+                return client.get_state(sid, -1)
+        try:
+            records = {"grounding": record_of(now)}
+            if "world_modeling" in fields:
+                records["world_modeling"] = record_of(after())
+        finally:
+            if sid:
+                client.close_sessions([sid])
+
+    out = []
+    for f in fields:
+        truth = records[f]
+        previous = records["grounding"] if f == "world_modeling" else None
+        family = prompt_family(env_id, truth["state"])
+        used = mode if mode != "structured" or _family_has_claims(family) else "yesno"
+        notes = [f"LLM judge prompt: env {env_id}, field {f}, mode {used}, prompt family {family}",
+                 f"ground truth: turn {truth['turn']} of episode {truth['episode']} (anchor {truth['anchor']})"
+                 + (f", after the state of turn {previous['turn']}" if previous else "")]
+        for record in ([previous] if previous else []) + [truth]:
+            cut = state_cut(family, record)
+            if cut:
+                notes.append(f"the state JSON of turn {record['turn']} is cut at {MAX_STATE_CHARS} characters: "
+                             f"{cut} more are left out")
+        if not texts[f]:
+            notes.append(f"the agent wrote no {f} text: the judge scores 0 without asking the model")
+            out.append({"field": f, "notes": notes, "body": None})
+            continue
+        try:
+            prompt = judge_prompt(used, env_id, f, texts[f], truth, previous, scoring)
+        except ValueError as e:
+            raise _CliError(str(e)) from None
+        if llm_config is not None:
+            from envserve.judge.llm_judge import request_body
+            body = request_body(llm_config, prompt)
+        else:
+            body = {"messages": list(prompt.messages)}
+        out.append({"field": f, "notes": notes, "body": body})
+    return out
+
+
+def _family_has_claims(family: str) -> bool:
+    from envserve.judge.prompts import claim_family
+    return claim_family(family) is not None
+
+
+def cmd_new_env(args) -> int:
+    """Writes an out-of-tree environment package: pyproject with the entry point, the env, its tests."""
+    from envserve.scaffold import scaffold
+    try:
+        root = scaffold(args.name, args.dir or args.name)
+    except ValueError as e:
+        print(f"envserve new-env: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote the {args.name!r} environment package to {root}")
+    print(f"next: pip install -e {root}  (registers it with envserve), then: envserve serve {args.name}")
+    print(f"      pytest {root}/tests  (its own test and envserve's conformance suite)")
     return 0
 
 
@@ -357,6 +681,25 @@ def main(argv=None) -> int:
     p.add_argument("--tls-cert", default=env("ENVSERVE_TLS_CERT", ""))
     p.add_argument("--tls-key", default=env("ENVSERVE_TLS_KEY", ""))
     p.add_argument("--tls-client-ca", default=env("ENVSERVE_TLS_CLIENT_CA", ""))
+    g = p.add_argument_group("preview", "print the prompt the LLM judge would send for one agent reply, "
+                                        "then exit (nothing is served; no model is called)")
+    g.add_argument("--preview", action="store_true", help="print the prompt instead of serving")
+    g.add_argument("--env", default="", help="environment of a fresh session (default: the live session's)")
+    g.add_argument("--seed", type=int, default=None, help="the fresh session's reset seed (default 0)")
+    g.add_argument("--action", action="append", default=[], metavar="A",
+                   help="one turn before the reply, e.g. Up or 'go to fridge 1' (repeatable)")
+    g.add_argument("--env-config", default="", help="JSON object: the fresh session's env config")
+    g.add_argument("--session", default="", help="a live session on --env-address instead of a fresh one")
+    g.add_argument("--turn", type=int, default=-1, help="with --session: the turn the reply answered (-1: latest)")
+    g.add_argument("--env-token-file", default="", help="token to open sessions with, where the replica needs one")
+    g.add_argument("--reply", default=None,
+                   help="the agent's reply for the turn, tags and all ('-': read stdin); its <observation> is "
+                        "judged for grounding, its <prediction> for world modelling, after its <answer>")
+    g.add_argument("--field", default="", choices=("", "grounding", "world_modeling"),
+                   help="only this field (default: each one the reply has); a reply without the field's tag "
+                        "is judged whole")
+    g.add_argument("--json", action="store_true",
+                   help="print the chat-completions request bodies (needs the judge model: --llm-model)")
     p.set_defaults(fn=cmd_judge)
     p = sub.add_parser("ls", help="list environments (registered here, or served at --address)")
     p.add_argument("--address", default="")
@@ -372,6 +715,28 @@ def main(argv=None) -> int:
     p.add_argument("--config", default="", help="JSON object of config overrides")
     p.add_argument("--address", default="", help="a running server; default: start one in-process")
     p.set_defaults(fn=cmd_play)
+    p = sub.add_parser("state", help="print a session's ground truth (GetState): a live one, or a seed's "
+                                     "after given actions")
+    p.add_argument("env")
+    p.add_argument("--seed", type=int, default=None, help="reset a fresh session with this seed (default 0)")
+    p.add_argument("--action", action="append", default=[], metavar="A",
+                   help="one turn's action before reading the state, e.g. Up or 'Up, Left' (repeatable); a text "
+                        "with tags is sent as it is")
+    p.add_argument("--config", default="", help="JSON object of the fresh session's config overrides")
+    p.add_argument("--address", default="", help="a running replica; default: start one in this process")
+    p.add_argument("--session", default="", help="a live session on --address instead of a fresh one")
+    p.add_argument("--turn", type=int, default=-1, help="which turn (-1: the latest)")
+    p.add_argument("--episode", type=int, default=None, help="with --session: which episode (default: the latest)")
+    p.add_argument("--json", action="store_true", help="one JSON object, the relation sentences in it")
+    p.add_argument("--token-file", default="", help="token to open sessions with, where the replica needs one")
+    p.add_argument("--state-token-file", default="", help="token for StateService, where the replica needs one")
+    p.add_argument("--tls-ca", default="", help="CA certificate, when the replica serves TLS")
+    p.set_defaults(fn=cmd_state)
+    p = sub.add_parser("new-env", help="scaffold an environment package of your own that passes the "
+                                       "conformance suite")
+    p.add_argument("name", help="the environment's id, e.g. line-walk (letters, digits, - and _)")
+    p.add_argument("--dir", default="", help="where to write the package (default: ./NAME)")
+    p.set_defaults(fn=cmd_new_env)
     p = sub.add_parser("health", help="check a replica's gRPC health service (exit 0 when serving)")
     p.add_argument("--address", default="127.0.0.1:50051")
     p.add_argument("--service", default="")

@@ -117,6 +117,31 @@ def test_invalid_action_is_nothing_happens_and_changes_nothing(client):
     client.close_sessions([sid])
 
 
+def test_goal_line_and_impossible_command_penalty_follow_the_config(client):
+    """By default every observation after the first repeats the task line and an impossible command
+    costs -0.1; goal_in_observations=False and invalid_action_penalty=0 give the alfworld package's
+    observations and rewards."""
+    ours = client.open("alfworld", 1, {"include_valid_actions": True}, "no_think")[0]
+    package = client.open("alfworld", 1, {"include_valid_actions": True, "goal_in_observations": False,
+                                          "invalid_action_penalty": 0.0}, "no_think")[0]
+    firsts = [client.reset_one(s, seed=2) for s in (ours, package)]
+    assert firsts[0].observation.text == firsts[1].observation.text      # the intro names the task once
+    goal = state_dict(client.get_state(ours, 0))["goal"]
+    go = next(a for a in firsts[0].info["valid_actions"] if a.startswith("go to "))
+    moved, moved_plain = (client.step_one(s, answer(go)) for s in (ours, package))
+    assert moved.observation.text == f"Your task is to: {goal}\n\n{moved_plain.observation.text}"
+    assert "Your task is to:" not in moved_plain.observation.text and moved_plain.anchor == moved.anchor
+    bad, bad_plain = (client.step_one(s, answer("fly to the moon")) for s in (ours, package))
+    assert not bad.action_valid and not bad_plain.action_valid
+    assert bad.reward == -0.1 and dict(bad.reward_components) == {"invalid_action": -0.1}
+    assert bad_plain.reward == 0.0 and bad_plain.observation.text == "Nothing happens."
+    spec = client.get_spec("alfworld")
+    schema = json.loads(spec.config_schema_json)["properties"]
+    assert schema["goal_in_observations"]["default"] is True and schema["invalid_action_penalty"]["default"] == -0.1
+    assert "alfworld package" in schema["invalid_action_penalty"]["description"]
+    client.close_sessions([ours, package])
+
+
 def test_put_in_on_is_accepted_for_move_to():
     assert normalize_command("Put  Apple 1 in/on CounterTop 1 ") == "move apple 1 to countertop 1"
     assert normalize_command("put mug 2 in fridge 1") == "move mug 2 to fridge 1"

@@ -5,6 +5,7 @@ import sys
 import textwrap
 
 from envserve.client import EnvClient
+from outoftree import register_on_path
 from serverproc import ServerProcess
 
 THIRD_PARTY_ENV = textwrap.dedent('''
@@ -37,11 +38,7 @@ THIRD_PARTY_ENV = textwrap.dedent('''
 
 def make_third_party_package(root):
     (root / "guess_env.py").write_text(THIRD_PARTY_ENV)
-    dist = root / "guess_env-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: guess-env\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[envserve.envs]\nguess = guess_env:GuessEnv\n")
-    return {"PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    return register_on_path(root, "guess-env", {"envserve.envs": {"guess": "guess_env:GuessEnv"}})
 
 
 def test_entry_point_environment_is_listed_and_served(tmp_path):

@@ -275,3 +275,32 @@ def test_the_shopper_answers_in_every_format_and_forks_foresee_its_steps(client,
             if action_format == "grounding_worldmodeling":
                 assert t.truth_next is not None and t.truth_next.anchor == t.result.anchor
                 assert dict(t.result.reasoning)["prediction"] == WebShopExpert().describe(t.truth_next)
+
+
+def test_a_value_under_two_option_groups_selects_the_last_group(tmp_path):
+    """WebShop's text environment keys an item page's clickables by their text, so of two option
+    groups listing the same value, click[value] selects it in the later one."""
+    import json
+    folder = write_official_files(tmp_path / "webshop-data", 40, seed=3)
+    items_path = folder / "items_shuffle_1000.json"
+    items = json.loads(items_path.read_text())
+    asin = items[0]["asin"]
+    items[0]["name"] = "Zorblat travel mug"      # a word no other product has, so search finds it first
+    items[0]["customization_options"] = {
+        "Color": [{"value": "Navy", "image": None}, {"value": "Red", "image": None}],
+        "Pattern": [{"value": "Striped", "image": None}, {"value": "Navy", "image": None}]}
+    items_path.write_text(json.dumps(items))
+    config = {"test_goals": 10, "dev_goals": 10, "num_products": 40}
+    with ServerProcess(["webshop"], workers=1, metrics=False, env_vars={"WEBSHOP_DATA": str(folder)}) as s, \
+            EnvClient(s.address) as c:
+        sid, _ = opened(c, TEST, config)
+        assert c.step_one(sid, act("search[zorblat mug]")).action_valid
+        assert state_dict(c.get_state(sid))["results"][0] == asin
+        assert c.step_one(sid, act(f"click[{asin}]")).action_valid
+        truth = state_dict(c.get_state(sid))
+        assert truth["product"]["options"] == {"color": ["navy", "red"], "pattern": ["striped", "navy"]}
+        assert c.step_one(sid, act("click[navy]")).action_valid
+        assert state_dict(c.get_state(sid))["selected_options"] == {"pattern": "navy"}
+        # A value only one group lists still selects in that group.
+        assert c.step_one(sid, act("click[red]")).action_valid
+        assert state_dict(c.get_state(sid))["selected_options"] == {"pattern": "navy", "color": "red"}

@@ -30,6 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "demo": {"client"},
     "containers": {"directory"},
     "package": set(),                       # envserve/__init__.py: the version only
+    "scaffold": set(),                      # `new-env`: writes a package's files, imports nothing of envserve
     # The trainer reaches envserve through the client alone (the HTTP retry loop it shares with the
     # judge is client.http_retry).
     "trainer": {"client"},

@@ -53,8 +53,7 @@ from envserve.client.http_retry import Counters, RetryPolicy, post_with_retries
 from .base import JudgeError, JudgeInput, Judgment
 
 from .config import JudgeConfig, Settings
-from .prompts import (Prompt, claim_family, claims_from_atoms, prompt_family, structured_prompt,
-                      yesno_prompt)
+from .prompts import Prompt, claim_family, claims_from_atoms, judge_prompt, prompt_family
 from .rule_judge import FIELDS, WORLD_MODELING, RuleJudge, _truth_parts
 
 YESNO, STRUCTURED = "yesno", "structured"
@@ -196,6 +195,12 @@ _STATUS_CODE = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSIO
                 413: "INVALID_ARGUMENT", 422: "INVALID_ARGUMENT"}
 
 
+def request_body(config: LLMJudgeConfig, prompt: Prompt) -> dict[str, Any]:
+    """The chat-completions request the judge posts for one prompt."""
+    return {"model": config.model, "messages": list(prompt.messages), "temperature": config.temperature,
+            "max_tokens": config.max_tokens}
+
+
 class LLMJudge:
     """The Judge protocol (base.py) over an OpenAI-compatible chat-completions endpoint."""
 
@@ -292,11 +297,8 @@ class LLMJudge:
     # -- judging ----------------------------------------------------------------------------------------
     async def _evaluate(self, item: JudgeInput, mode: str) -> Judgment:
         try:
-            if mode == STRUCTURED:
-                prompt = structured_prompt(item.env_id, item.field, item.text, item.truth)
-            else:
-                prompt = yesno_prompt(item.env_id, item.field, item.text, item.truth, item.previous,
-                                      self.judge_config)
+            prompt = judge_prompt(mode, item.env_id, item.field, item.text, item.truth, item.previous,
+                                  self.judge_config)
         except ValueError as e:
             raise JudgeError("INVALID_ARGUMENT", str(e)) from None
         reply, meta = await self._complete(prompt)
@@ -348,8 +350,7 @@ class LLMJudge:
 
     async def _complete(self, prompt: Prompt) -> tuple[str, dict[str, Any]]:
         """The reply text of one chat completion, with retries; JudgeError when none comes."""
-        body = {"model": self.config.model, "messages": list(prompt.messages),
-                "temperature": self.config.temperature, "max_tokens": self.config.max_tokens}
+        body = request_body(self.config, prompt)
         slots, bucket, client = self._controls()
 
         async def rate_limit() -> None:

@@ -142,8 +142,21 @@ def _ps_truth(state: Mapping[str, Any], relations: list[str]) -> list[str]:
     return lines + _relation_lines(relations)
 
 
+def _state_json(state: Mapping[str, Any]) -> str:
+    return json.dumps(state, sort_keys=True, ensure_ascii=False, default=str)
+
+
+def state_cut(family: str, record: Any) -> int:
+    """How many characters of the state JSON the prompt leaves out (only the generic prompt, which
+    shows the state as JSON, cuts it at MAX_STATE_CHARS)."""
+    if family in (SOKOBAN, FROZENLAKE, GRID_OTHER, NAVIGATION, PRIMITIVE_SKILL):
+        return 0
+    state, _ = _truth_parts(record)
+    return max(0, len(_state_json(state)) - MAX_STATE_CHARS)
+
+
 def _generic_truth(record: Mapping[str, Any], state: Mapping[str, Any], relations: list[str]) -> list[str]:
-    text = json.dumps(state, sort_keys=True, ensure_ascii=False, default=str)
+    text = _state_json(state)
     if len(text) > MAX_STATE_CHARS:
         text = text[:MAX_STATE_CHARS] + f" ... (cut: {len(text) - MAX_STATE_CHARS} more characters)"
     lines = [f"State (JSON): {text}"]
@@ -317,6 +330,19 @@ def structured_prompt(env_id: str, field_name: str, text: str, truth: Any) -> Pr
     ]
     return Prompt(family, "structured", ({"role": "system", "content": _STRUCTURED_SYSTEM},
                                          {"role": "user", "content": "\n".join(parts)}))
+
+
+# -- the prompt the LLM judge sends ---------------------------------------------------------------------
+def judge_prompt(mode: str, env_id: str, field_name: str, text: str, truth: Any, previous: Any = None,
+                 config: JudgeConfig | None = None) -> Prompt:
+    """The prompt the LLM judge sends in `mode` ("yesno" or "structured") for one agent text. An env
+    without a claim vocabulary is asked the yes/no question whatever the mode."""
+    if mode not in ("yesno", "structured"):
+        raise ValueError(f"mode must be yesno or structured, got {mode!r}")
+    state, _ = _truth_parts(truth)
+    if mode == "structured" and claim_family(prompt_family(env_id, state)):
+        return structured_prompt(env_id, field_name, text, truth)
+    return yesno_prompt(env_id, field_name, text, truth, previous, config)
 
 
 # -- structured readings to claims ----------------------------------------------------------------------

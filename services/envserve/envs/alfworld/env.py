@@ -7,6 +7,14 @@ types, unseen rooms) and L2 (held-out types, by default Cool and Pick Two), thei
 set train_seen, and LaMer's id / ood (in- and out-of-distribution task types). Games are
 the official json_2.1.1 data where $ALFWORLD_DATA has it, else generated (games.py).
 
+Two choices differ from the alfworld package's own text environment, each behind a config key:
+- goal_in_observations (default on): every observation after the first starts with the task line
+  "Your task is to: ...", as verl-agent's ALFWorld prompt (GiGPO's code) repeats the task each
+  turn; the package states it in the first observation only (off: its observations as they are).
+- invalid_action_penalty (default -0.1, the session's common key, set here explicitly): added for
+  a command the game cannot carry out ("Nothing happens."), where the package's reward is 0 (set
+  it to 0.0 for the package's rewards).
+
 The engine runs in a child process per instance (engine.py): close() ends it.
 """
 from __future__ import annotations
@@ -46,6 +54,9 @@ _DEFAULTS = {
     # ALFRED's unseen validation scenes, one per room type.
     "unseen_floor_plans": "10,219,308,424",
     "success_reward": 10.0,
+    "goal_in_observations": True,
+    # The session's common key, here for its ALFWorld meaning; the alfworld package gives 0.
+    "invalid_action_penalty": -0.1,
     "expert": False,
     "isolation": "process",
     "engine_caches": True,
@@ -65,6 +76,11 @@ _DOCS = {
     "generated_valid_unseen_games": "number of generated valid_unseen games (in unseen floor plans)",
     "unseen_floor_plans": "comma-separated floor plans used only by valid_unseen when generating",
     "success_reward": "reward when the task is done",
+    "goal_in_observations": "start every observation after the first with 'Your task is to: GOAL' (as "
+                            "verl-agent's prompt repeats the task each turn); off: the alfworld package's "
+                            "observations, which state the task in the first one only",
+    "invalid_action_penalty": "added for a command the game cannot carry out ('Nothing happens.'); the "
+                              "alfworld package gives 0 (set 0.0 for its rewards)",
     "expert": "run alfworld's handcoded expert along: the state endpoint tells its next action",
     "isolation": "process (an engine process per session) or none (in the worker; no process to start, "
                  "but one engine crash takes the worker down, and forks replay)",
@@ -129,7 +145,9 @@ class AlfWorldEnv(Environment):
         env_id="alfworld",
         description="ALFWorld (text): six household task types on the alfworld package's PDDL engine; "
                     "official data via ALFWORLD_DATA or generated games; RLVMR L0/L1/L2 and LaMer id/ood splits. "
-                    "Text only: no image observation.",
+                    "Text only: no image observation. Unlike the alfworld package, every observation repeats "
+                    "the task line (goal_in_observations) and an impossible command costs "
+                    "invalid_action_penalty (-0.1; the package: 0).",
         system_prompt=SYSTEM_PROMPT,
         action_space="an ALFWorld command, e.g. go to fridge 1, take apple 1 from countertop 2, "
                      "heat apple 1 with microwave 1, move apple 1 to diningtable 1",
@@ -300,7 +318,7 @@ class AlfWorldEnv(Environment):
     # -- observations ----------------------------------------------------------------------
     def render_text(self) -> str:
         feedback = self._state.get("feedback", "")
-        if feedback == self._intro:
+        if feedback == self._intro or not self.config["goal_in_observations"]:
             return feedback
         return f"Your task is to: {self._goal}\n\n{feedback}"
 

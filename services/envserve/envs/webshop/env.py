@@ -4,7 +4,8 @@ Pages as WebShop's site has them: search -> results (10 a page, at most 50, "< P
 2, "Next >", "Back to Search") -> item (option values by group, "Description", "Features",
 "Reviews", "< Prev", "Buy Now") -> sub-page ("< Prev"). Actions `search[query]` and
 `click[label]` (labels case-insensitive); an action the page does not offer is invalid, with
-feedback, and changes nothing. Buying ends the episode with WebShop's score (reward.py).
+feedback, and changes nothing. Clickables are keyed by their label, as in WebShop's text
+environment: a value listed under two option groups selects it in the last of them. Buying ends the episode with WebShop's score (reward.py).
 
 The store (products, goals, search index) is shared by every session of a process; a session
 holds only where it is, so snapshot/restore copy a few fields.
@@ -268,9 +269,11 @@ class WebShopEnv(Environment):
         elif self.page == "item":
             c["< prev"] = lambda: self._to_results(self.page_no)
             p = self.store.product(self.asin)
+            # Keyed by value, a later group's value replacing an earlier one's: a value listed
+            # under two groups selects it in the last, as WebShop's text environment does.
             for group, values in p.options.items():
                 for v in values:
-                    c.setdefault(v, lambda group=group, v=v: self._select(group, v))
+                    c[v] = lambda group=group, v=v: self._select(group, v)
             for name in self._sub_pages():
                 c[name] = lambda name=name: self._to_sub(name)
             c["buy now"] = self._buy
