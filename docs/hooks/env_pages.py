@@ -82,8 +82,22 @@ def fence(text: str, lang: str = "text") -> str:
     return f"{ticks}{lang}\n{text.rstrip()}\n{ticks}\n"
 
 
+def compact_json(value, indent: str = "") -> str:
+    """JSON with one key a line, but a list of plain values (a position, a grid row) on one line."""
+    plain = lambda v: not isinstance(v, (dict, list))  # noqa: E731
+    if isinstance(value, dict) and value:
+        inner = indent + "  "
+        items = [f"{inner}{json.dumps(str(k), ensure_ascii=False)}: {compact_json(v, inner)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + "\n" + indent + "}"
+    if isinstance(value, list) and value and not all(plain(v) or (isinstance(v, list) and all(map(plain, v)))
+                                                     for v in value):
+        inner = indent + "  "
+        return "[\n" + ",\n".join(inner + compact_json(v, inner) for v in value) + "\n" + indent + "]"
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
 def cut_json(value, limit: int = STATE_CHARS) -> str:
-    text = json.dumps(value, indent=1, ensure_ascii=False, default=str)
+    text = compact_json(value)
     if len(text) > limit:
         text = text[:limit] + f"\n... (cut for this page: {len(text) - limit} more characters)"
     return text
@@ -152,10 +166,12 @@ def page(env_id: str, data: dict | None, reason: str = "") -> str:
     s0, s1, step = data["state0"], data["state1"], data["step"]
     out += ["\n## GetState, turn 0\n\nThe ground truth a judge reads (`StateService.GetState`), "
             f"anchor `{s0['anchor']}`.\n\n**Relation sentences**\n\n", relations_list(s0["relations"]),
-            "\n**State**\n\n", fence(cut_json(s0["state"]), "json"),
+            "\n**State** (a `google.protobuf.Struct`, so every number arrives as a double)\n\n",
+            fence(cut_json(s0["state"]), "json"),
             "\n## One turn\n\nThe answer sent (the env's scripted expert where it has one):\n\n",
             fence(data["answer"]),
-            f"\nThe result: reward `{step['reward']:g}` (components `{json.dumps(step['reward_components'])}`), "
+            f"\nThe result: reward `{step['reward']:g}` (components "
+            f"`{json.dumps({k: round(v, 6) for k, v in step['reward_components'].items()})}`), "
             f"valid `{str(step['action_valid']).lower()}`, done `{str(step['done']).lower()}`, parsed actions "
             f"`{json.dumps(step['parsed_actions'])}`"
             + (f", feedback \"{step['feedback']}\"" if step["feedback"] else "") + ". The next observation:\n\n",

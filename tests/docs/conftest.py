@@ -15,7 +15,8 @@ def built_site(tmp_path_factory):
     The environment pages come from live runs of the installed envs (cached in .docs-cache/)."""
     pytest.importorskip("mkdocs", reason="the docs extra: pip install -e '.[docs]'")
     site = tmp_path_factory.mktemp("site")
-    env = dict(os.environ, NO_MKDOCS_2_WARNING="1",
+    # A simulator that hangs gets its page marked "not generated" instead of holding the suite.
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1", ENVSERVE_DOCS_ENV_TIMEOUT="180",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "services"), str(ROOT / "trainer"),
                                                         os.environ.get("PYTHONPATH", "")])))
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
