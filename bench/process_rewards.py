@@ -20,7 +20,7 @@ fork_speedup = replay / fork wall time (on ALFWorld, Fork is meant to be at leas
 
 ALFWorld keeps a game's state in its engine process: Fork copies that process (os.fork of a frozen
 copy, one copy per fork; the env's fork_copies), where replay resets sessions and steps each
-prefix again. The issue's figure, 64 states x 8 rollouts, takes about 7 minutes on 2 cores (most
+prefix again. The default, 64 states x 8 rollouts, takes about 7 minutes on 2 cores (most
 of it the replay); `--alfworld-states 8` is a quick look. At most `--max-alive` (32) rollout
 sessions are open at once either way, so replay reuses 32 sessions.
 

@@ -623,7 +623,7 @@ def run(args) -> dict:
 
 
 def targets(res: dict, sessions: list[int]) -> dict:
-    """Issue 19's three targets, each envserve path against OpenEnv (its limit raised)."""
+    """The three comparisons the README reports, each envserve path against OpenEnv (its limit raised)."""
     def get(side, n, key):
         return res.get(side, {}).get(str(n), {}).get(key)
 

@@ -32,6 +32,19 @@ def pytest_collection_modifyitems(config, items):
         "last_in_module")))]
 
 
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """A headless chromium (tests/browserproc.py), one per test module; skips where it is missing."""
+    import browserproc
+    if not browserproc.AVAILABLE:
+        pytest.skip(browserproc.MISSING)
+    driver = browserproc.start_browser(tmp_path_factory.mktemp("chromium-profile"))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
 # Figures tests measure (success rates, timings), shown at the end of every run, with or without -s.
 _FIGURES: list[str] = []
 

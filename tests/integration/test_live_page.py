@@ -1,17 +1,12 @@
 """The live sessions page in a real headless Chromium (Debian chromium + chromium-driver) via selenium."""
-import os
-import shutil
-
 import pytest
 
+import browserproc
 from envserve.client import EnvClient, check
 from serverproc import ServerProcess
 from webproc import WebProcess
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-pytestmark = pytest.mark.skipif(not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)),
-                                reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
+pytestmark = pytest.mark.skipif(not browserproc.AVAILABLE, reason=browserproc.MISSING)
 MOVE = "<think>look</think><answer>{}</answer>"
 WAIT = 60  # seconds a page condition may take on a loaded machine; not what is tested
 
@@ -26,24 +21,6 @@ def replica():
 def web(replica):
     with WebProcess.facade([replica.address]) as w:
         yield w
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run", "--disable-quic", "--disable-sync",
-                 "--disable-dev-shm-usage", f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
-        opts.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=opts)
-    try:
-        yield driver
-    finally:
-        driver.quit()
 
 
 def card_field(browser, sid, cls):

@@ -1,7 +1,7 @@
 """Defaults of the process-reward methods, one frozen dataclass per method.
 
-Numbers the issue's notes give are marked "notes"; the rest are this project's choices, marked
-"ours" with the reason, so that nothing a method depends on is a literal in the code. Each class
+Numbers the papers give are marked with the paper (or "paper"); the rest are envserve's choices,
+marked "ours" with the reason, so that nothing a method depends on is a literal in the code. Each class
 builds from a YAML/JSON mapping with `from_mapping`, which refuses unknown keys and wrong types
 (as AdvantageConfig does); the trainer config's process section holds one of each.
 """
@@ -81,7 +81,7 @@ class IPRConfig(FromMapping):
     # True also keeps the pairs where the policy's alternative beats the expert's step.
     both_directions: bool = False
     beta: float = 0.1                 # DPO temperature (DPOConfig)
-    # loss = w_outcome * outcome-DPO + w_step * step-DPO + w_sft * SFT: the notes sum the three.
+    # loss = w_outcome * outcome-DPO + w_step * step-DPO + w_sft * SFT: IPR's paper sums the three.
     outcome_weight: float = 1.0
     step_weight: float = 1.0
     sft_weight: float = 1.0
@@ -104,7 +104,7 @@ class RROConfig(FromMapping):
     # Process reward of a prefix = the mean outcome of m rollouts from it (ours: 5).
     rollouts_per_prefix: int = 5
     # Candidates sampled at one step at most before the search gives up on rising (ours: 8; the
-    # notes report about 1.9 explored on average, so the cap rarely binds).
+    # paper reports about 1.9 explored on average, so the cap rarely binds).
     max_candidates: int = 8
     beta: float = 0.1                 # DPO temperature of the (best, worst) pairs (DPOConfig)
 
@@ -120,7 +120,7 @@ ARPO_ADVANTAGE_MODES = ("soft", "hard")
 
 @dataclass(frozen=True)
 class ARPOConfig(FromMapping):
-    # Branch when alpha + beta * dH > threshold (notes: 0.5 / 0.2 / 0.5). With alpha equal to the
+    # Branch when alpha + beta * dH > threshold (ARPO's paper: 0.5 / 0.2 / 0.5). With alpha equal to the
     # threshold, any rise of entropy branches and any fall does not.
     alpha: float = 0.5
     beta: float = 0.2

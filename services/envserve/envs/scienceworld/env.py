@@ -101,7 +101,7 @@ class _Jvm:
             pass
         if self.proc.poll() is None:
             try:
-                # die_on_exit: the JVM exits on a line on its stdin (py4j issue 320).
+                # die_on_exit: the JVM exits on a line on its stdin (py4j#320).
                 self.proc.stdin.write(b"\n")
                 self.proc.stdin.flush()
                 self.proc.wait(5)
