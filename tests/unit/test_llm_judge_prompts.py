@@ -150,11 +150,16 @@ def test_generic_prompt_shows_the_state_as_json():
     with pytest.raises(ValueError, match="no structured prompt"):
         structured_prompt("minesweeper", GROUNDING, "x", t)
     # a large state is cut, and says so
-    big = {"state": {"facts": [f"(at obj{i} loc{i})" for i in range(2000)]}, "relations": ["obj0 is at loc0"]}
+    big = {"state": {"facts": [f"(at obj{i} loc{i})" for i in range(2000)], "goal": "put a mug in the sink",
+                     "admissible_commands": [f"go to loc{i}" for i in range(500)], "location": "sinkbasin 1"},
+           "relations": ["obj0 is at loc0"]}
     content = user(yesno_prompt("alfworld", GROUNDING, "x", big))
     line = next(x for x in content.splitlines() if x.startswith("State (JSON): "))
     assert "(cut: " in line and len(line) < MAX_STATE_CHARS + 100
     assert "- obj0 is at loc0" in content
+    # The cut takes the long lists: the short fields come first and stay whole.
+    assert '"location": "sinkbasin 1"' in line and '"goal": "put a mug in the sink"' in line
+    assert line.index('"admissible_commands"') < line.index('"facts"')
 
 
 # -- answers ---------------------------------------------------------------------------------------------

@@ -143,7 +143,12 @@ def _ps_truth(state: Mapping[str, Any], relations: list[str]) -> list[str]:
 
 
 def _state_json(state: Mapping[str, Any]) -> str:
-    return json.dumps(state, sort_keys=True, ensure_ascii=False, default=str)
+    """The state as JSON, its shortest fields first: where MAX_STATE_CHARS cuts it, the cut takes the
+    long lists (ALFWorld's facts and admissible commands) and keeps the goal, the location, the
+    inventory. Nested values have their keys sorted, so the text is the same in every process."""
+    fields = [(json.dumps(v, sort_keys=True, ensure_ascii=False, default=str), k) for k, v in state.items()]
+    fields.sort(key=lambda f: (len(f[0]), f[1]))
+    return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {v}" for v, k in fields) + "}"
 
 
 def state_cut(family: str, record: Any) -> int:
