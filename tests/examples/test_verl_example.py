@@ -1,0 +1,154 @@
+"""examples/verl/: the parquet writer against a real replica, the run script's hydra overrides (its
+DRY_RUN output) and both YAML files.
+
+In `make test` (no verl in the venv): the dataset's rows, columns and seeds, the overrides as a dotlist,
+the files they name, and the YAML entries against envserve's own classes. With verl (`make test-verl`,
+ENVSERVE_TEST_VERL=1 in .verl-venv): verl's own ppo_trainer config composed with the run script's
+overrides and validated as main_ppo does, verl's RLHFDataset reading the parquet, and verl's tool loader
+building EnvServeTool from tools.yaml, whose first observation is the row's. main_ppo itself needs a
+vLLM or SGLang rollout on a GPU and is not run."""
+from __future__ import annotations
+
+import ast
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from exampleproc import EXAMPLES, ROOT, live_session_ids, run_example
+from serverproc import ServerProcess
+
+pd = pytest.importorskip("pandas")
+OmegaConf = pytest.importorskip("omegaconf").OmegaConf
+
+VERL = EXAMPLES / "verl"
+TRAIN, VAL, VAL_SEED = 6, 2, 1000
+
+
+@pytest.fixture(scope="module")
+def sokoban():
+    with ServerProcess(["sokoban"], workers=1, metrics=False) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def dataset(sokoban, tmp_path_factory) -> Path:
+    data = tmp_path_factory.mktemp("verl-data")
+    out = run_example(["verl/write_dataset.py", "--address", sokoban.address, "--env-id", "sokoban",
+                       "--train", TRAIN, "--val", VAL, "--val-seed", VAL_SEED, "--out-dir", data]).stdout
+    assert f"train.parquet: {TRAIN} rows" in out and f"val.parquet: {VAL} rows" in out
+    return data
+
+
+def dry_run(sokoban, data: Path, *extra: str) -> list[str]:
+    """The run script's command, one word a line (DRY_RUN=1), with the dataset already written."""
+    out = run_example([str(VERL / "run_sokoban.sh"), *extra],
+                      env={"DRY_RUN": "1", "PYTHON": sys.executable, "DATA": str(data),
+                           "ENVSERVE_ADDRESS": sokoban.address, "MODEL": "/models/tiny"}).stdout
+    lines = out.splitlines()
+    assert lines[0] == f"{sys.executable} -m verl.trainer.main_ppo"
+    return lines[1:]
+
+
+def test_the_writer_writes_one_row_per_level_with_verls_columns(sokoban, dataset):
+    from envserve.client import EnvClient
+    train, val = pd.read_parquet(dataset / "train.parquet"), pd.read_parquet(dataset / "val.parquet")
+    assert (len(train), len(val)) == (TRAIN, VAL)
+    assert list(train.columns) == ["data_source", "prompt", "ability", "reward_model", "agent_name", "extra_info"]
+    assert set(train.data_source) == {"envserve/sokoban"} and set(train.agent_name) == {"envserve_agent"}
+    seeds = [e["seed"] for e in train.extra_info]
+    assert seeds == list(range(TRAIN)) and [e["seed"] for e in val.extra_info] == [VAL_SEED, VAL_SEED + 1]
+    assert [e["index"] for e in train.extra_info] == list(range(TRAIN))
+    with EnvClient(sokoban.address) as c:
+        sid = c.open("sokoban", 1, None, "")[0]
+        for row, extra in zip(train.prompt, train.extra_info):
+            (message,) = row
+            # The prompt ends with the level's own first observation; the tool gets the same seed.
+            assert message["role"] == "user"
+            assert message["content"].endswith(c.reset_one(sid, extra["seed"]).observation.text)
+            assert extra["tools_kwargs"] == {"move": {"create_kwargs": {"seed": extra["seed"]}}}
+            assert extra["env_id"] == "sokoban" and extra["split"] == "train"
+        c.close_sessions([sid])
+    assert len({m[0]["content"] for m in train.prompt}) > 1        # different seeds, different levels
+    assert not live_session_ids(sokoban.address, "sokoban")
+    bad = run_example(["verl/write_dataset.py", "--address", sokoban.address, "--train", "0", "--out-dir",
+                       dataset / "bad"], check=False)
+    assert bad.returncode == 2 and "--train must be >= 1" in bad.stderr
+
+
+def classes_in(module: Path) -> set[str]:
+    return {n.name for n in ast.parse(module.read_text()).body if isinstance(n, ast.ClassDef)}
+
+
+def test_the_run_scripts_overrides_and_yaml_files_name_what_exists(sokoban, dataset):
+    overrides = dry_run(sokoban, dataset, "trainer.total_training_steps=2")
+    cfg = OmegaConf.from_dotlist(overrides)                  # every word is key=value
+    assert cfg.trainer.total_training_steps == 2              # extra arguments come last, as overrides
+    assert cfg.algorithm.adv_estimator == "grpo" and cfg.actor_rollout_ref.model.path == "/models/tiny"
+    assert Path(cfg.data.train_files) == dataset / "train.parquet" and Path(cfg.data.val_files).exists()
+    rollout = cfg.actor_rollout_ref.rollout
+    assert rollout.response_length == cfg.data.max_response_length
+    loops = OmegaConf.load(rollout.agent.agent_loop_config_path)
+    assert Path(rollout.agent.agent_loop_config_path) == VERL / "agent_loops.yaml"
+    (entry,) = loops
+    assert entry.name == rollout.agent.default_agent_loop == "envserve_agent"
+    verl_module = ROOT / "services" / "envserve" / "integrations" / "verl.py"
+    module, cls = entry._target_.rsplit(".", 1)
+    assert module == "envserve.integrations.verl" and cls in classes_in(verl_module)
+    tools = OmegaConf.load(VERL / "tools.yaml").tools
+    assert [t.class_name.rsplit(".", 1)[1] for t in tools] == ["EnvServeTool"]
+    assert "EnvServeTool" in classes_in(verl_module)
+    # What the files ask of the env exists on the replica: the env, its format, its config keys.
+    from envserve.client import EnvClient
+    with EnvClient(sokoban.address) as c:
+        spec = c.get_spec(entry.env_id)
+        assert entry.action_format in spec.action_formats
+        sid = c.open(entry.env_id, 1, OmegaConf.to_container(entry.env_config), entry.action_format)[0]
+        c.close_sessions([sid])
+        assert c.get_spec(tools[0].config.env_id).env_id == "sokoban"
+
+
+verl_only = pytest.mark.skipif(os.environ.get("ENVSERVE_TEST_VERL") != "1",
+                               reason="verl is opt-in: `make test-verl` (its own venv, deploy/trainer/verl-venv.sh)")
+
+
+@verl_only
+def test_verl_composes_validates_and_reads_the_recipe(sokoban, dataset, tmp_path):
+    pytest.importorskip("verl")
+    import verl
+    from hydra import compose, initialize_config_dir
+    from transformers import AutoTokenizer
+    from verl.tools.tool_registry import initialize_tools_from_config
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    from envserve_trainer.model import build_tokenizer
+    tok = build_tokenizer(["Solve the level. # _ P X O"])
+    tok.save_pretrained(tmp_path)
+    overrides = [o.replace("/models/tiny", str(tmp_path)) for o in dry_run(sokoban, dataset)]
+    with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
+                               version_base=None):
+        cfg = compose("ppo_trainer", overrides=overrides)
+    validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    rows = RLHFDataset(data_files=cfg.data.train_files, tokenizer=AutoTokenizer.from_pretrained(tmp_path),
+                       config=cfg.data)
+    assert len(rows) == TRAIN
+    row = rows[3]
+    assert row["index"] == 3 and row["tools_kwargs"] == {"move": {"create_kwargs": {"seed": 3}}}
+    # verl's tool loader builds EnvServeTool from tools.yaml (its address from ENVSERVE_ADDRESS).
+    import asyncio
+    os.environ["ENVSERVE_ADDRESS"] = sokoban.address
+    try:
+        (tool,) = initialize_tools_from_config(str(VERL / "tools.yaml"))
+    finally:
+        del os.environ["ENVSERVE_ADDRESS"]
+    assert tool.name == "move" and tool.per_trajectory
+
+    async def first():
+        iid, response = await tool.create(create_kwargs=row["tools_kwargs"]["move"]["create_kwargs"])
+        await tool.release(iid)
+        return response.text
+    grid = row["raw_prompt"][0]["content"].split("\n\n", 1)[1]
+    assert grid in asyncio.run(first())
