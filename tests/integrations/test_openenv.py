@@ -260,3 +260,18 @@ def test_health_schema_and_metadata(web):
     assert "no_think" in schema["action"]["properties"]["message"]["description"]
     meta = httpx.get(f"{base}/metadata").json()
     assert meta["name"] == "sokoban" and "Sokoban" in meta["readme_content"]
+
+
+def test_an_episode_out_of_turns_is_done_for_openenvs_client(web):
+    """OpenEnv has one `done`: the turn limit ends the episode there too, with truncated in the
+    metadata, so a client looping until done never steps into an ended episode."""
+    async def run():
+        async with client(web, "sokoban") as env:
+            r = await env.reset(seed=4, action_format="no_think", config={"max_turns": 3})
+            steps = 0
+            while not r.done:
+                r = await env.step({"message": plain_answer("no_think", [["Left", "Right"][steps % 2]])})
+                steps += 1
+            assert steps == 3 and r.metadata["truncated"] is True and r.metadata["success"] is False
+            assert (await env.state())["done"] is True
+    asyncio.run(run())

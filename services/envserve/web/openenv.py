@@ -197,7 +197,9 @@ def observation_payload(s: Session, r: pb.StepResult, reset: bool = False) -> di
     observation = {"text": obs.text, "turn": obs.turn, "episode": obs.episode, "metadata": meta}
     if obs.images:
         observation["images"] = _images(obs)
-    return {"observation": observation, "reward": r.reward, "done": r.done, "metadata": meta}
+    # OpenEnv has one `done`: an episode out of turns is over too (its metadata says truncated), so
+    # a client that loops until done stops there instead of stepping into an error.
+    return {"observation": observation, "reward": r.reward, "done": r.done or r.truncated, "metadata": meta}
 
 
 def _action_text(data: Any) -> str:
@@ -290,14 +292,14 @@ class OpenEnvSessions:
                           bool(opts.get("same_task", False)))
         r = await self._call(s, md, reset=item)
         s.episode_id = opts.get("episode_id")
-        s.step_count, s.turn, s.episode, s.done, s.episode_return = 0, r.turn, r.episode, r.done, 0.0
+        s.step_count, s.turn, s.episode, s.done, s.episode_return = 0, r.turn, r.episode, r.done or r.truncated, 0.0
         return s, observation_payload(s, r, reset=True)
 
     async def step(self, s: Session, md: tuple, action: Any) -> dict:
         text = _action_text(action)
         r = await self._call(s, md, step=text)
         s.step_count += 1
-        s.turn, s.episode, s.done = r.turn, r.episode, r.done
+        s.turn, s.episode, s.done = r.turn, r.episode, r.done or r.truncated
         s.episode_return += r.reward
         return observation_payload(s, r)
 
