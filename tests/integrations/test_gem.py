@@ -14,7 +14,7 @@ import gem  # noqa: E402
 from gem.wrappers.episode_tracking_wrapper import EpisodeTrackingWrapper  # noqa: E402
 from gem.wrappers.wrapper_factory import get_wrapper_fns  # noqa: E402
 
-from conftest import ExpertPolicy, live_session_ids  # noqa: E402
+from adapter_support import ExpertPolicy, live_session_ids  # noqa: E402
 from envserve.client import EnvClient  # noqa: E402
 from envserve.integrations.gem import EnvServeEnv, register  # noqa: E402
 

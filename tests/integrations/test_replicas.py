@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from conftest import live_session_ids
+from adapter_support import live_session_ids
 from envserve.client import AsyncRoutedClient
 from envserve.directory import replica_of
 from envserve.integrations import close_channels

@@ -18,7 +18,7 @@ from omegaconf import DictConfig  # noqa: E402
 from skyrl_gym.envs.base_text_env import BaseTextEnv  # noqa: E402
 from skyrl_gym.metrics import aggregate_for_environment  # noqa: E402
 
-from conftest import ExpertPolicy, live_session_ids  # noqa: E402
+from adapter_support import ExpertPolicy, live_session_ids  # noqa: E402
 from envserve.client import EnvClient  # noqa: E402
 from envserve.integrations.skyrl import EnvServeTextEnv, register  # noqa: E402
 
