@@ -8,6 +8,8 @@
 # The suite starts two `envserve serve guess` processes of its own. To test servers already running
 # (the Docker image, a cluster): ENVSERVE_CONFORMANCE_ADDRESSES=host:port,host:port. ENVSERVE_REPO is
 # a checkout of envserve (the suite is its tests/conformance; this folder's repository by default).
+# PYTHON is the venv's interpreter (default: `python` on PATH, so activate the venv or set
+# PYTHON=.venv/bin/python; elsewhere the suite stops at `No module named 'grpc'`).
 # Extra arguments go to pytest.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
