@@ -67,6 +67,28 @@ def test_plan_spreads_by_load_and_skips_draining_and_full():
     assert client.plan("frozenlake", 10) == {}
 
 
+def test_openings_count_until_a_heartbeat_has_counted_them():
+    """A listing whose heartbeat is older than this client's last openings still counts them: the
+    next sessions go to the other replicas, not all to the one whose old count looks low."""
+    d = MemoryDirectory()
+    counted = time.time()
+    for rid in ("a", "b", "c"):
+        d.heartbeat(ReplicaInfo(replica_id=rid, address=f"{rid}:1", envs=["sokoban"], capacity=100,
+                                counted_unix=counted), 60)
+    client = RoutedClient(d, refresh_seconds=0.0)  # every plan re-reads the directory
+    for rid, n in client.plan("sokoban", 6).items():
+        client.note_opened(rid, n)
+    assert client.plan("sokoban", 3) == {"a": 1, "b": 1, "c": 1}
+    client.note_opened("a", 3)  # a is ahead now: the next two go elsewhere
+    assert client.plan("sokoban", 2) == {"b": 1, "c": 1}
+    # a's next heartbeat counts its 5 sessions: from then on the listing holds them, not the client.
+    d.heartbeat(ReplicaInfo(replica_id="a", address="a:1", envs=["sokoban"], capacity=100,
+                            live_sessions=5, counted_unix=time.time()), 60)
+    client.replicas(refresh=True)
+    assert client.load(next(r for r in client.replicas() if r.replica_id == "a")) == 5
+    assert client.load(next(r for r in client.replicas() if r.replica_id == "b")) == 2
+
+
 def _serve(redis_url, replica_id):
     return ServerProcess(["sokoban"], workers=1, metrics=False, extra=[
         "--directory", redis_url, "--heartbeat-seconds", str(HEARTBEAT), "--replica-id", replica_id])

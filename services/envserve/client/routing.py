@@ -100,7 +100,7 @@ class Router:
         self.retire_after_seconds = retire_after_seconds
         self._missing_since: dict[str, float] = {}  # seen replicas absent from the last listings
         self._fetched = 0.0
-        self._opened_since_fetch: dict[str, int] = {}
+        self._opened: dict[str, list[tuple[float, int]]] = {}  # replica -> (when, n) not yet in its count
         self._clients: dict[tuple[str, str], EnvClient] = {}
         self._blocking: dict[tuple[str, str], EnvClient] = {}
         if not isinstance(recovery, RecoverySettings):
@@ -121,11 +121,27 @@ class Router:
                     self._known = {r.replica_id: r for r in found}
                     self._seen.update(self._known)
                     self._fetched = now = time.monotonic()
-                    self._opened_since_fetch.clear()
+                    self._forget_counted()
                     gone = self._gone_since(now)
                 if gone:
                     self._retire(gone)
         return [r for r in self._known.values() if env_id is None or env_id in r.envs]
+
+    def _forget_counted(self) -> None:
+        """(Under the lock, after a listing.) Drop the openings each replica's listed count already
+        holds: those before it counted its sessions. A heartbeat can be older than this client's
+        last openings; forgetting those would send the next ones all to the same replica."""
+        for rid in list(self._opened):
+            r = self._known.get(rid)
+            counted = (r.counted_unix or r.heartbeat_unix) if r is not None else 0.0
+            kept = [(t, n) for t, n in self._opened[rid] if counted and t > counted]
+            if kept:
+                self._opened[rid] = kept
+            else:
+                del self._opened[rid]
+
+    def _opened_since_count(self, replica_id: str) -> int:
+        return sum(n for _, n in self._opened.get(replica_id, ()))
 
     def _gone_since(self, now: float) -> list:
         """(Under the lock, after a listing.) The clients of replicas absent from every listing for
@@ -163,7 +179,7 @@ class Router:
         """Its live sessions as last heard, plus what this client opened there since (-1: unknown)."""
         if r.live_sessions < 0:
             return -1
-        return r.live_sessions + self._opened_since_fetch.get(r.replica_id, 0)
+        return r.live_sessions + self._opened_since_count(r.replica_id)
 
     def client_for(self, r: ReplicaInfo):
         key = (r.replica_id, self.address(r))
@@ -203,7 +219,7 @@ class Router:
         """How many of count new sessions each replica gets: always the one with the lowest
         (live + planned) / capacity, counting what this client opened since the last heartbeat."""
         candidates = [r for r in self.replicas(env_id) if not r.draining and r.replica_id not in exclude]
-        load = {r.replica_id: r.live_sessions + self._opened_since_fetch.get(r.replica_id, 0) for r in candidates}
+        load = {r.replica_id: r.live_sessions + self._opened_since_count(r.replica_id) for r in candidates}
         caps = {r.replica_id: max(1, r.capacity) for r in candidates}
         shares: dict[str, int] = {}
         for _ in range(count):
@@ -245,7 +261,7 @@ class Router:
     def note_opened(self, replica_id: str, n: int) -> None:
         """Count n sessions opened on a replica until its next heartbeat reports them."""
         with self._lock:
-            self._opened_since_fetch[replica_id] = self._opened_since_fetch.get(replica_id, 0) + n
+            self._opened.setdefault(replica_id, []).append((time.time(), n))
 
     def still_listed(self, replica_id: str) -> bool:
         """After a replica stopped answering: is it still registered? (No: it is gone.)"""

@@ -24,6 +24,7 @@ class ReplicaInfo:
     tls: bool = False
     started_unix: float = field(default_factory=time.time)
     heartbeat_unix: float = 0.0
+    counted_unix: float = 0.0  # when live_sessions was counted (0: at listing time, e.g. probed)
 
     @property
     def load(self) -> float:
