@@ -10,6 +10,7 @@ import asyncio
 import collections
 import multiprocessing
 import threading
+import time
 
 import pytest
 
@@ -174,6 +175,36 @@ def test_a_forked_data_loader_worker_steps_its_own_sessions(cluster):
     assert "Reward" in inherited
     # The parent's client is untouched by the child's.
     assert play(cls, 7) == expected
+    cls.close()
+
+
+def test_before_a_fork_no_thread_is_left_inside_grpc(cluster):
+    """What the fork hook leaves the child: no event loop thread and no gRPC poller thread (a fork
+    taken while one runs inside gRPC's core aborted the child on a starved machine)."""
+    from envserve.client import streaming
+    cls = environment_factory(cluster.url, "frozenlake", include_rules=False)
+    expected = play(cls, 5)
+    # An env left in a reference cycle: the hook's own collection runs its finalizer, which closes
+    # its session (that call once waited for the fork to end, inside the fork: a hang).
+    leftover = cls()
+    leftover.reset(seed=1)
+    sid = leftover._session.real_id
+    address = cluster.replicas[replica_of(sid)].address
+    leftover.cycle = leftover
+    del leftover
+    assert sid in live_session_ids(address, "frozenlake")
+    assert streaming._grpc_pollers(), "the test needs a live aio channel before the hook runs"
+    streaming._before_fork()
+    try:
+        assert streaming._grpc_pollers() == []
+        assert not any(t.name == "envserve-client-loop" for t in threading.enumerate())
+    finally:
+        streaming._after_fork(False)
+    deadline = time.monotonic() + 60
+    while sid in live_session_ids(address, "frozenlake") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sid not in live_session_ids(address, "frozenlake")   # closed once the fork was done
+    assert play(cls, 5) == expected     # the next call makes the loop and the channels again
     cls.close()
 
 

@@ -19,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import gc
+import logging
 import os
 import threading
+import time
 import weakref
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -32,12 +34,16 @@ from .aio_routing import AsyncRoutedClient
 from .errors import make_error
 from .recovery import RecoverySettings, SessionTable
 
+log = logging.getLogger(__name__)
 _LOCK = threading.Lock()
 _LOOP: list = [None, None, None]  # (pid, loop, thread) of this process's background loop
 _CLIENTS: "weakref.WeakSet[StreamingClient]" = weakref.WeakSet()
 # Calls in flight on the loop, and whether a fork is being prepared (new calls wait for it).
 _FLIGHT = threading.Condition()
-_STATE = {"in_flight": 0, "forking": False}
+_STATE = {"in_flight": 0, "forking": False, "fork_thread": None}
+# Sessions closed from inside the fork hook (a finalizer its collection ran): the parent closes them
+# once the fork is done.
+_DEFERRED_CLOSES: "list[tuple[StreamingClient, list[str]]]" = []
 # How long a fork waits for the calls in flight to finish before closing the streams under them.
 FORK_WAIT = 30.0
 
@@ -54,21 +60,35 @@ def process_loop() -> asyncio.AbstractEventLoop:
         return loop
 
 
+def _grpc_pollers() -> list[threading.Thread]:
+    """gRPC asyncio's completion-queue poller threads: one runs inside gRPC's core while any aio
+    channel object lives, and ends when the last one is collected."""
+    return [t for t in threading.enumerate() if "_poll_wrapper" in t.name and t.is_alive()]
+
+
 def _before_fork() -> None:
+    deadline = time.monotonic() + FORK_WAIT
     with _FLIGHT:
-        _STATE["forking"] = True
+        _STATE["forking"], _STATE["fork_thread"] = True, threading.get_ident()
         _FLIGHT.wait_for(lambda: _STATE["in_flight"] == 0, FORK_WAIT)
     pid, loop, thread = _LOOP
     if pid != os.getpid() or loop is None or loop.is_closed():
         return
+    # Every step waits for what it needs, not a few seconds: on a starved machine a fork taken with
+    # a thread still inside gRPC aborts the child.
     for client in list(_CLIENTS):
-        client._drop_connections()
+        client._drop_connections(max(1.0, deadline - time.monotonic()))
     loop.call_soon_threadsafe(loop.stop)
-    thread.join(5.0)
+    thread.join(max(1.0, deadline - time.monotonic()))
     if not thread.is_alive():
         loop.close()
     _LOOP[:] = [None, None, None]
-    gc.collect()  # the closed channels freed now, not at some later collection
+    gc.collect()  # the closed channels freed now, so gRPC's poller ends before the fork
+    for poller in _grpc_pollers():
+        poller.join(max(0.1, deadline - time.monotonic()))
+    if thread.is_alive() or _grpc_pollers():
+        log.warning("forking with gRPC still running in this process (the child's gRPC may fail): "
+                    "a call did not finish within %.0f s", FORK_WAIT)
 
 
 def _after_fork(child: bool) -> None:
@@ -77,8 +97,25 @@ def _after_fork(child: bool) -> None:
             client._table._lock = threading.Lock()  # a parent's thread may have held it at the fork
         _STATE["in_flight"] = 0
     with _FLIGHT:
-        _STATE["forking"] = False
+        _STATE["forking"], _STATE["fork_thread"] = False, None
         _FLIGHT.notify_all()
+    deferred, _DEFERRED_CLOSES[:] = list(_DEFERRED_CLOSES), []
+    if deferred and not child:
+        threading.Thread(target=_close_deferred, args=(deferred,), name="envserve-deferred-close",
+                         daemon=True).start()
+
+
+def _close_deferred(deferred) -> None:
+    for client, sids in deferred:
+        try:
+            client.close_sessions(sids)
+        except Exception as e:  # noqa: BLE001 (their leases free them anyway)
+            log.warning("closing %d sessions after a fork failed: %s", len(sids), e)
+
+
+def _in_fork_hook() -> bool:
+    """Whether this thread is the one preparing a fork (a finalizer run by its collection)."""
+    return _STATE["forking"] and _STATE["fork_thread"] == threading.get_ident()
 
 
 _WATCHING = [False]
@@ -136,14 +173,14 @@ class StreamingClient:
                 client = self._client
         return client
 
-    def _drop_connections(self) -> None:
+    def _drop_connections(self, wait: float = 5.0) -> None:
         """Closes this process's streams and channels (a fork is coming); the next call makes them."""
         with self._lock:
             client, self._client = self._client, None
             if client is None or self._pid != os.getpid():
                 return
         try:
-            asyncio.run_coroutine_threadsafe(client.close(), self._loop).result(5.0)
+            asyncio.run_coroutine_threadsafe(client.close(), self._loop).result(wait)
         except Exception:  # noqa: BLE001 (closing what may be broken already)
             pass
 
@@ -154,6 +191,9 @@ class StreamingClient:
 
     def _run(self, coro_fn, *args, timeout: "float | None | object" = ...):
         with _FLIGHT:
+            if _in_fork_hook():  # waiting for the fork to end would wait for ourselves
+                raise make_error(grpc.StatusCode.UNAVAILABLE, "called while this thread prepares a fork; "
+                                 "the client's connections are closed until the fork is done")
             if _STATE["forking"]:
                 _FLIGHT.wait_for(lambda: not _STATE["forking"])
             _STATE["in_flight"] += 1
@@ -214,6 +254,10 @@ class StreamingClient:
 
     def close_sessions(self, session_ids: Sequence[str], timeout: "float | None | object" = ...
                        ) -> list[pb.ItemStatus]:
+        if _in_fork_hook():
+            # An env collected while the fork hook frees the channels: close its sessions after.
+            _DEFERRED_CLOSES.append((self, list(session_ids)))
+            return [pb.ItemStatus() for _ in session_ids]
         return self._run(AsyncRoutedClient.close_sessions, list(session_ids), timeout=timeout)
 
     def get_spec(self, env_id: str) -> pb.EnvSpec:
