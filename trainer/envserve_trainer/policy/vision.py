@@ -32,9 +32,12 @@ import io
 import os
 import secrets
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 from .base import FINISH_LENGTH, FINISH_STOP, Generation, Weights, check_ids_request
 from .hf import HFPolicy, left_pad, positions, restrict, row_seed, scoring_layout, vocabulary_mask
