@@ -24,6 +24,7 @@ build it from a saved folder, so load_vlm reads saved folders of both architectu
 from __future__ import annotations
 
 import copy
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,7 @@ def chat_template(image_markup: str) -> str:
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+@functools.cache   # one class, so every processor built or loaded here is an instance of it
 def _qwen2_vl_processor_class():
     from transformers import Qwen2VLProcessor
     from transformers.processing_utils import ProcessorMixin
@@ -95,9 +97,7 @@ def _qwen2_vl_processor_class():
 def __getattr__(name):
     # The processor class is defined on first use, keeping transformers out of a bare import.
     if name == "Qwen2VLImageTextProcessor":
-        cls = _qwen2_vl_processor_class()
-        globals()[name] = cls
-        return cls
+        return _qwen2_vl_processor_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -248,15 +248,11 @@ def test_greedy_is_deterministic_and_reports_the_models_logprobs(vlm, pngs):
 
 def test_image_placeholder_is_never_sampled(vlm, pngs):
     _, model, _, codec = vlm
-    policy = HFVisionPolicy(model, codec, allowed_token_ids=[codec.image_token_id, policy_eos(codec)])
+    policy = HFVisionPolicy(model, codec, allowed_token_ids=[codec.image_token_id, codec.tokenizer.eos_token_id])
     ids, images = batch(codec, pngs)
     for g in policy.generate_from_ids(ids, 3, seed=0, images=images):
         assert g.completion_token_ids == [policy.eos_token_id]
     assert not policy.allowed[codec.image_token_id]
-
-
-def policy_eos(codec) -> int:
-    return int(codec.tokenizer.eos_token_id)
 
 
 def test_chat_prompts_with_image_blocks(vlm, pngs):
@@ -293,6 +289,7 @@ def test_build_vlm_round_trips_through_save_pretrained(vlm, pngs, tmp_path):
     processor.save_pretrained(tmp_path)
     loaded, loaded_processor = load_vlm(tmp_path)
     assert type(loaded) is type(model) and weights_digest(loaded) == weights_digest(model)
+    assert type(loaded_processor) is type(processor)
     if arch == "idefics3":
         from transformers import AutoProcessor
         assert type(AutoProcessor.from_pretrained(tmp_path, local_files_only=True)) is type(processor)

@@ -252,7 +252,7 @@ def _text_vocab_size(model) -> int:
     return int(model.config.get_text_config().vocab_size)
 
 
-def _pad_id(model, codec: VisionCodec, pad_token_id: int | None) -> int:
+def _pad_id(codec: VisionCodec, pad_token_id: int | None) -> int:
     if pad_token_id is not None:
         return int(pad_token_id)
     pad = codec.tokenizer.pad_token_id
@@ -295,7 +295,7 @@ def vision_sequence_logprobs(model, codec: VisionCodec, prompt_ids: Sequence[Seq
     if width == 0:
         empty = (torch.zeros((batch, 0), device=device), torch.zeros((batch, 0), dtype=torch.bool, device=device))
         return empty + (torch.zeros((batch, 0), device=device),) if return_entropy else empty
-    ids, mask, completion_mask = scoring_layout(prompt_ids, completion_ids, _pad_id(model, codec, pad_token_id), device)
+    ids, mask, completion_mask = scoring_layout(prompt_ids, completion_ids, _pad_id(codec, pad_token_id), device)
     vision = codec.model_inputs(images, device, prompt_ids=prompt_ids)
     out = model(**_full_forward_kwargs(codec, ids, mask, vision), use_cache=False, logits_to_keep=width + 1)
     logits = out.logits[:, :-1].float()
