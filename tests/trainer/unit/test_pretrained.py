@@ -79,3 +79,16 @@ def test_what_is_not_a_model_is_a_clear_error(tmp_path):
     assert resolve_source(str(tmp_path), "b.gguf").gguf_file == "b.gguf"
     with pytest.raises(ValueError, match="no model given"):
         resolve_source("")
+
+
+def test_smolvlm_shaped_model_starts_from_smollm2(smollm2):
+    # SmolVLM is Idefics3 over SmolLM2: build_vlm's text_model puts SmolLM2's weights on the text
+    # side, so a text-only prompt gets SmolLM2's own logits (the added image tokens aside).
+    from envserve_trainer.vision_model import build_vlm
+    model, tok = smollm2
+    vlm, processor = build_vlm("idefics3", tokenizer=tok, text_model=model)
+    assert len(processor.tokenizer) > len(tok) and vlm.config.tie_word_embeddings
+    ids = torch.tensor([tok("You are playing FrozenLake.", add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        want, got = model(input_ids=ids).logits, vlm(input_ids=ids).logits
+    assert torch.allclose(got[..., :want.shape[-1]], want, atol=1e-4)
