@@ -443,6 +443,24 @@ def test_images_have_the_configured_shape_and_follow_the_state(env_id):
     assert s.env.render_image(32).shape == (32, 32, 3)
 
 
+@pytest.mark.parametrize("env_id", ["sokoban", "frozenlake"])
+def test_an_image_only_session_shows_the_picture_alone_and_keeps_the_truth(env_id):
+    from envserve.core.session import IMAGE_ONLY_TEXT, SessionError
+    seen = Session(env_id, {"render_image": True}, "free_think")
+    blind = Session(env_id, {"render_image": True, "image_only": True}, "free_think")
+    a, b = seen.reset(seed=3), blind.reset(seed=3)
+    assert b.text == IMAGE_ONLY_TEXT and a.text != IMAGE_ONLY_TEXT
+    assert np.array_equal(a.image, b.image) and a.anchor == b.anchor
+    step = f"<think>x</think><answer>{FIRST_ACTIONS[env_id][0]}</answer>"
+    a, b = seen.step(step), blind.step(step)
+    assert b.text == IMAGE_ONLY_TEXT and np.array_equal(a.image, b.image) and a.reward == b.reward
+    # The ground truth (the judge's) and the monitors' text are the full state's.
+    assert blind.get_state()["state"] == seen.get_state()["state"]
+    assert blind.summary()["observation_text"] == seen.summary()["observation_text"]
+    with pytest.raises(SessionError, match="image_only needs render_image"):
+        Session(env_id, {"image_only": True}, "free_think")
+
+
 def test_sokoban_tile_colours_are_distinct():
     env = sokoban(["#########",
                    "#P_OX√__#",

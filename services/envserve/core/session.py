@@ -23,6 +23,7 @@ COMMON_CONFIG_DOCS = {
     "max_turns": "turns per episode before it is truncated",
     "max_actions_per_turn": "primitive actions executed per turn at most",
     "render_image": "add a PNG image to each observation",
+    "image_only": "with render_image: the picture is the whole observation (its text says only that)",
     "image_size": "image side in pixels",
     "format_reward": "added when the turn parses and every action is valid",
     "format_penalty": "reward of a turn whose text the action format cannot parse",
@@ -32,6 +33,10 @@ COMMON_CONFIG_DOCS = {
     "history_turns": "ground-truth records kept per session for GetState",
     "include_valid_actions": "list the legal actions in each result's info (valid_actions)",
 }
+
+
+# The observation text of an image-only session.
+IMAGE_ONLY_TEXT = "The observation is the image."
 
 
 class SessionError(Exception):
@@ -48,6 +53,7 @@ def session_config_defaults(spec: EnvSpec) -> dict:
         "max_turns": spec.max_turns,
         "max_actions_per_turn": spec.max_actions_per_turn,
         "render_image": False,
+        "image_only": False,
         "image_size": 128,
         "format_reward": 0.0,
         "format_penalty": -0.1,
@@ -116,6 +122,9 @@ class Session:
             raise SessionError("INVALID_ARGUMENT", str(e.args[0])) from None
         if self.config["render_image"] and "image" not in cls.spec.modalities:
             raise SessionError("INVALID_ARGUMENT", f"{env_id} has no image observation")
+        if self.config["image_only"] and not self.config["render_image"]:
+            raise SessionError("INVALID_ARGUMENT", "image_only needs render_image: without the picture "
+                                                   "the observation would be empty")
         self.action_format = name
         try:
             self.env: Environment = cls(self.config)
@@ -255,7 +264,9 @@ class Session:
         result.transition = state_key("\x1f".join([self.anchor, *executed, anchor])) if executed else ""
         self.anchor = anchor
         result.anchor = anchor
-        result.text = text
+        # Image-only (VAGEN's visual setting): the policy sees the picture alone; the ground truth
+        # and the monitors keep the text.
+        result.text = IMAGE_ONLY_TEXT if self.config["image_only"] else text
         result.turn = self.turn
         result.episode = self.episode
         result.trial = self.trial
