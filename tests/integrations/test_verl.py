@@ -657,6 +657,59 @@ def test_agent_loop_gives_a_qwen2_vl_model_each_turns_image(grid_server, vl_mode
     assert finished >= 1 and max(turns) >= 2   # an episode ended; pictures came with observation turns
 
 
+def test_tool_pictures_reach_a_qwen2_vl_model_through_verls_tool_agent_loop(grid_server, vl_model_dir, vl_rollouts):
+    """verl's stock ToolAgentLoop with EnvServeTool on picture-rendering sessions: each tool
+    response's image becomes an image block of the tool turn, rendered by the processor into pad
+    tokens under mask 0, and every later generate call carries the pictures so far, equal to the
+    replayed episode's PNGs."""
+    r = vl_rollouts(grammar=one_call(vl_model_dir), tool_options={"per_trajectory": True, "env_config": IMAGE_CONFIG},
+                    overrides=("actor_rollout_ref.rollout.multi_turn.max_assistant_turns=4",))
+    processor = vl_processor(vl_model_dir)
+    tok, pad = processor.tokenizer, processor.image_token_id
+    rows = [{"agent_name": "tool_agent", "seed": seed,
+             "raw_prompt": [{"role": "user", "content": "Reach the goal. Each move shows the lake."}],
+             "tools_kwargs": {"move": {"create_kwargs": {"seed": seed}}}} for seed in (0, 1)]
+    outs = unpad(r.run(rows))
+    pool = r.history()
+    pictured = 0
+    with EnvClient(grid_server.address) as c:
+        for out, row in zip(outs, rows):
+            calls = calls_for(out, pool)
+            runs = segments(out.response_mask)
+            generated = [(a, b) for v, a, b in runs if v == 1]
+            assert len(calls) == len(generated) >= 2
+            directions = [json.loads(tok.decode(out.response_ids[a:b], skip_special_tokens=True)
+                                     .split("<tool_call>")[1].split("</tool_call>")[0])["arguments"]["direction"]
+                          for a, b in generated]
+            executed = len(out.extra_fields["tool_rewards"])
+            sid = c.open(env_id="frozenlake", count=1, config=IMAGE_CONFIG, action_format="no_think")[0]
+            c.reset_one(sid, row["seed"])
+            replay = []
+            for d in directions[:executed]:
+                replay.append(c.step_one(sid, plain_answer("no_think", [d])))
+                if replay[-1].done or replay[-1].truncated:
+                    break
+            c.close_sessions([sid])
+            pngs = [x.observation.images[0].png for x in replay]
+            per_image = image_token_count(processor, Image.open(io.BytesIO(pngs[0])))
+            for k, ((a, b), call) in enumerate(zip(generated, calls)):
+                assert call["prompt_ids"] == out.prompt_ids + out.response_ids[:a]
+                assert out.response_ids[a:b] == call["token_ids"]
+                assert call["images"] == [pixels(png) for png in pngs[:k]]
+                assert call["prompt_ids"].count(pad) == per_image * min(k, len(pngs))
+            image_positions = [j for j, t in enumerate(out.response_ids) if t == pad]
+            shown = min(len(pngs), len(generated) - 1)
+            assert len(image_positions) == per_image * shown
+            assert all(out.response_mask[j] == 0 for j in image_positions)
+            pictured += shown
+            assert list(out.extra_fields["tool_rewards"]) == pytest.approx(
+                [x.reward for x in replay] + [0.0] * (executed - len(replay)))
+    assert not pool and pictured >= 2
+    with EnvClient(grid_server.address) as c:   # the episodes that did not end
+        c.close_sessions(sorted({o.extra_fields["envserve_session"] for o in outs}
+                                & live_session_ids(grid_server.address, "frozenlake")))
+
+
 # -- the tool --------------------------------------------------------------------------------------
 def expert_plays(tool, instance_id: str, expert, client: EnvClient) -> list[tuple]:
     """The env's expert plays the tool's episode to its end: (response, reward, metrics) per call."""
