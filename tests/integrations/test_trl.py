@@ -2,6 +2,7 @@
 through it on FrozenLake (a real server on loopback, a tiny random-weight model on the CPU)."""
 from __future__ import annotations
 
+import functools
 import gc
 import inspect
 import json
@@ -221,6 +222,93 @@ def test_grpo_trainer_learns_from_envserve_rewards(grid_server, tmp_path, monkey
         for sid in sessions:
             with pytest.raises(SessionNotFoundError):
                 c.step_one(sid, "<answer>Left</answer>")
+
+
+def patches(pixel_values, grids) -> list[bytes]:
+    """Qwen2-VL's flattened patches split into one byte string per image (grid: its t, h, w)."""
+    sizes = [t * h * w for t, h, w in grids]
+    return [chunk.numpy().tobytes() for chunk in pixel_values.float().split(sizes)]
+
+
+def test_grpo_trainer_trains_a_qwen2_vl_on_envserve_pictures(grid_server, tmp_path, monkeypatch):
+    """GRPOTrainer with a tiny random-weight Qwen2-VL (tests/vlm_support.py) and its processor on
+    FrozenLake rendering pictures: reset's and every move's picture come as image blocks, TRL's tool
+    loop renders them into the completion through the processor and the training step's forward
+    takes them; the env's returns are TRL's rewards."""
+    import torch
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.chat_template_utils import qwen3_vl_chat_template
+    from vlm_support import build_tiny_qwen2_vl
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    FrozenLake = environment_factory(grid_server.address, "frozenlake", config={"render_image": True, "image_size": 64})
+    episodes: list[float] = []
+    seen: list[list] = []
+
+    class Recorded(FrozenLake):
+        """Records what get_reward hands to TRL and the pictures each rollout was given."""
+
+        def reset(self, **row):
+            self.pictures = []
+            return self._keep(super().reset(**row))
+
+        @functools.wraps(FrozenLake.move)   # the tool's schema: the adapter's signature and docstring
+        def move(self, direction: str):
+            return self._keep(FrozenLake.move(self, direction))
+
+        def _keep(self, blocks):
+            self.pictures += [b["image"] for b in blocks if isinstance(b, dict) and b.get("type") == "image"]
+            return blocks
+
+        def get_reward(self) -> float:
+            episodes.append(super().get_reward())
+            seen.append(self.pictures)
+            return episodes[-1]
+
+    # Qwen2-VL's own chat template has no tool calls; Qwen3-VL's renders images the same way and is
+    # one TRL parses tool calls for.
+    tok, _ = tool_calling_tokenizer(grid_server.address, ["Left", "Down", "Right", "Up"])
+    model, processor = build_tiny_qwen2_vl(tok, seed=0, chat_template=qwen3_vl_chat_template)
+    calls = [t for t in tok.get_vocab() if t.startswith("<tool_call>\n{")]
+    allowed = {tok.convert_tokens_to_ids(t) for t in calls} | {tok.eos_token_id}
+    suppress = [i for i in range(len(tok)) if i not in allowed]
+    # What the vision tower encodes: each call's images (their grids) and whether it is a training pass.
+    encoded = []
+    model.model.visual.register_forward_hook(
+        lambda module, args, kwargs, out: encoded.append((kwargs["grid_thw"].tolist(), torch.is_grad_enabled(),
+                                                           args[0].detach().clone())),
+        with_kwargs=True)
+    rows = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Reach the goal.\n"}]] * 4,
+                              "seed": [0, 1, 2, 3]})
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=512, max_tool_calling_iterations=3, logging_steps=1,
+                      generation_kwargs={"suppress_tokens": suppress}, use_cpu=True, bf16=False,
+                      report_to="none", save_strategy="no", seed=0, disable_tqdm=True)
+    trainer = GRPOTrainer(model=model, args=args, train_dataset=rows, processing_class=processor,
+                          environment_factory=Recorded)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        trainer.train()
+    finally:
+        FrozenLake.close()
+
+    step, = [h for h in trainer.state.log_history if "rewards/Recorded/mean" in h]
+    assert len(episodes) == 4
+    assert step["rewards/Recorded/mean"] == pytest.approx(sum(episodes) / 4, abs=1e-6)
+    assert step["tools/call_frequency"] > 0 and step["tools/failure_frequency"] == 0
+    # The training pass encoded every picture the env gave (reset's and each move's, in the
+    # completions through the tool turns), and its gradient reached the vision tower.
+    assert all(len(p) >= 1 for p in seen) and sum(len(p) for p in seen) > len(seen)
+    trained = [(grids, pixels) for grids, grad, pixels in encoded if grad]
+    assert len(trained) == 1 and len(trained[0][0]) == sum(len(p) for p in seen)
+    # Pixel for pixel the env's pictures, as the processor prepares them (TRL orders them its own way).
+    grids, pixels = trained[0]
+    prepared = processor.image_processor(images=[im for p in seen for im in p], return_tensors="pt")
+    given = patches(prepared["pixel_values"], prepared["image_grid_thw"].tolist())
+    assert sorted(patches(pixels, grids)) == sorted(given)
+    assert any(not grad for _, grad, _ in encoded)                # generation saw pictures too
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters() if "visual" in n)
 
 
 # -- the judge reward ------------------------------------------------------------------------------

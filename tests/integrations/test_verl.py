@@ -8,7 +8,9 @@ GlobalRequestLoadBalancer (a Ray actor, as in training) to a rollout replica. ve
 SGLang or TensorRT-LLM servers, which need a GPU; here the replica is `HFReplica`, a Ray actor that
 holds a real Hugging Face Qwen2 model (random weights, the trainer's tiny test model and tokenizer,
 saved and loaded from disk) behind the same `generate(prompt_ids, sampling_params, request_id, ...)
--> TokenOutput` interface vLLM's async server has. That replica is the only stand-in.
+-> TokenOutput` interface vLLM's async server has; for the vision-language tests `HFVLReplica` holds a
+tiny random-weight Qwen2-VL (tests/vlm_support.py) the same way and takes the request's images. These
+replicas are the only stand-in.
 
 Opt-in (verl needs its own venv, deploy/trainer/verl-venv.sh): `make test-verl`, or
 ENVSERVE_TEST_VERL=1 .verl-venv/bin/python -m pytest -q tests/integrations/test_verl.py
@@ -16,10 +18,12 @@ ENVSERVE_TEST_VERL=1 .verl-venv/bin/python -m pytest -q tests/integrations/test_
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import sys
 from types import SimpleNamespace
+from typing import Any
 
 import grpc
 import pytest
@@ -40,6 +44,8 @@ from envserve.integrations._common import feedback_and_observation as observatio
 from envserve.integrations.verl import AGENT_NAME, EnvServeTool  # noqa: E402
 from envserve.v1 import envserve_pb2 as pb  # noqa: E402
 from envserve.v1 import envserve_pb2_grpc as pb_grpc  # noqa: E402
+from PIL import Image  # noqa: E402
+from vlm_support import image_token_count  # noqa: E402
 
 from verl.experimental.agent_loop.agent_loop import _agent_loop_registry  # noqa: E402
 from verl.protocol import DataProto  # noqa: E402
@@ -65,11 +71,20 @@ class HFReplica:
     drawn from grammar[i] (the last set for the rest). Every call is recorded for the tests."""
 
     def __init__(self, path: str):
-        from transformers import AutoModelForCausalLM
         torch.set_num_threads(1)
-        self.model = AutoModelForCausalLM.from_pretrained(path).eval()
+        self.model = self.load(path)
         self.eos = self.model.generation_config.eos_token_id
         self.configure(RESPONSE_LENGTH)
+
+    def load(self, path: str):
+        from transformers import AutoModelForCausalLM
+        return AutoModelForCausalLM.from_pretrained(path).eval()
+
+    def prefill(self, prompt_ids: list[int], image_data) -> Any:
+        """The model's forward over the whole prompt (its cache carries the generation on)."""
+        if image_data:
+            raise ValueError("this replica's model takes no images")
+        return self.model(torch.tensor([prompt_ids]), use_cache=True)
 
     def configure(self, response_length: int, grammar: list[list[int]] | None = None, fail_after: int | None = None,
                   seed: int = 0) -> None:
@@ -90,7 +105,7 @@ class HFReplica:
         stop = {self.eos, *(sampling_params.get("stop_token_ids") or [])}
         # Sampling is a function of the prompt alone, whatever order the concurrent rollouts' calls come in.
         generator = torch.Generator().manual_seed(hash((self.seed, *prompt_ids)) % 2**63)
-        out = self.model(torch.tensor([list(prompt_ids)]), use_cache=True)
+        out = self.prefill(list(prompt_ids), image_data)
         tokens, logprobs, reason = [], [], "length"
         for _ in range(max_tokens):
             logits = out.logits[0, -1].float()
@@ -109,7 +124,7 @@ class HFReplica:
                 break
             out = self.model(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
         self.calls.append(dict(request_id=request_id, prompt_ids=list(prompt_ids), token_ids=tokens,
-                               max_tokens=max_tokens))
+                               max_tokens=max_tokens, images=[pixels(im) for im in image_data or []]))
         return TokenOutput(token_ids=tokens, log_probs=logprobs if sampling_params.get("logprobs") else None,
                            stop_reason=reason, num_preempted=0, extra_fields={"global_steps": 0})
 
@@ -118,23 +133,73 @@ class HFReplica:
         return calls
 
 
+class HFVLReplica(HFReplica):
+    """HFReplica over a Qwen2-VL checkpoint (Qwen2VLForConditionalGeneration): the images verl's
+    server client passes with a request (as vLLM receives them) go through the checkpoint's own
+    image processor into the model's vision tower, and their features take the places of the
+    prompt's image pad tokens, as in vLLM. The model refuses a prompt whose image tokens do not
+    match the images' features."""
+
+    def load(self, path: str):
+        from transformers import AutoModelForImageTextToText, Qwen2VLImageProcessor
+        self.image_processor = Qwen2VLImageProcessor.from_pretrained(path)
+        model = AutoModelForImageTextToText.from_pretrained(path).eval()
+        self.image_token_id = model.config.image_token_id
+        return model
+
+    def prefill(self, prompt_ids: list[int], image_data) -> Any:
+        ids = torch.tensor([prompt_ids])
+        if not image_data:
+            return self.model(ids, use_cache=True)
+        pixels = self.image_processor(images=list(image_data), return_tensors="pt")
+        # mm_token_type_ids marks the image tokens, from which the model builds M-RoPE positions.
+        return self.model(ids, pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
+                          mm_token_type_ids=(ids == self.image_token_id).long(), use_cache=True)
+
+
+def pixels(image) -> tuple:
+    """An image as (width, height, RGB bytes), to compare what the replica received with PNGs."""
+    from PIL import Image
+    if isinstance(image, bytes):
+        image = Image.open(io.BytesIO(image))
+    return (*image.size, image.convert("RGB").tobytes())
+
+
 # -- fixtures --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model_dir(grid_server, tmp_path_factory):
     """The trainer's tiny random-weight Qwen2 model and its grid tokenizer, with one added token per
     complete no_think answer (`<answer>Left</answer>`...) and per complete Hermes `move` call, saved
     as a Hugging Face checkpoint."""
-    from tokenizers import AddedToken
-
-    from envserve_trainer.model import build_small_model, build_tokenizer, corpus_from_envs
-    with EnvClient(grid_server.address) as c:
-        tok = build_tokenizer(corpus_from_envs(c, ["frozenlake", "sokoban"], seeds=range(2), steps=3))
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for d in DIRECTIONS for t in (f"<answer>{d}</answer>", tool_call(d))])
+    from envserve_trainer.model import build_small_model
+    tok = grid_tokenizer(grid_server.address)
     model = build_small_model(tok, "tiny", seed=0)
     path = tmp_path_factory.mktemp("tiny-qwen2")
     model.save_pretrained(path)
     tok.save_pretrained(path)
+    return str(path)
+
+
+def grid_tokenizer(address: str):
+    from tokenizers import AddedToken
+
+    from envserve_trainer.model import build_tokenizer, corpus_from_envs
+    with EnvClient(address) as c:
+        tok = build_tokenizer(corpus_from_envs(c, ["frozenlake", "sokoban"], seeds=range(2), steps=3))
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for d in DIRECTIONS for t in (f"<answer>{d}</answer>", tool_call(d))])
+    return tok
+
+
+@pytest.fixture(scope="module")
+def vl_model_dir(grid_server, tmp_path_factory):
+    """A tiny random-weight Qwen2-VL (tests/vlm_support.py) over the same grid tokenizer with
+    Qwen2-VL's vision tokens, saved with its Qwen2VLProcessor as a Hugging Face checkpoint."""
+    from vlm_support import build_tiny_qwen2_vl
+    model, processor = build_tiny_qwen2_vl(grid_tokenizer(grid_server.address), seed=0)
+    path = tmp_path_factory.mktemp("tiny-qwen2-vl")
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
     return str(path)
 
 
@@ -240,6 +305,23 @@ def serving(model_dir, ray_cluster):
 def rollouts(grid_server, model_dir, serving, tmp_path):
     """make(**kw) -> Rollouts on the grid server and the module's replica, configured for the test."""
     return lambda **kw: Rollouts(model_dir, grid_server.address, tmp_path, serving, **kw)
+
+
+@pytest.fixture(scope="module")
+def vl_serving(vl_model_dir, ray_cluster):
+    """One HFVLReplica behind verl's GlobalRequestLoadBalancer, for the module's VLM tests."""
+    replica = ray.remote(num_cpus=0)(HFVLReplica).remote(vl_model_dir)
+    balancer = ray.remote(num_cpus=0)(GlobalRequestLoadBalancer).remote({"replica-0": replica})
+    yield replica, balancer
+    ray.kill(balancer)
+    ray.kill(replica)
+
+
+@pytest.fixture
+def vl_rollouts(grid_server, vl_model_dir, vl_serving, tmp_path):
+    """make(**kw) -> Rollouts whose model is the tiny Qwen2-VL: verl loads its processor from the
+    checkpoint, so the agent loops render images through it."""
+    return lambda **kw: Rollouts(vl_model_dir, grid_server.address, tmp_path, vl_serving, **kw)
 
 
 def unpad(data: DataProto) -> list[SimpleNamespace]:
@@ -488,6 +570,144 @@ def test_a_lost_session_is_rebuilt_or_without_recovery_ends_its_rollout(grid_ser
     assert data.non_tensor_batch["envserve_error"][0].startswith("NOT_FOUND")
     assert out.num_turns == 2 and out.response_mask == [1] * len(out.response_ids)
     assert out.reward_score == 0.0 and out.extra_fields["turn_scores"] == []
+
+
+# -- a vision-language model ---------------------------------------------------------------------
+# FrozenLake rendering a 128 px picture of the lake into every observation. (Sessions have no switch
+# that drops the text grid: observations carry both.)
+IMAGE_CONFIG = {"render_image": True, "image_size": 128, "max_turns": 50}
+
+
+def vl_processor(model_dir: str):
+    from transformers import AutoProcessor
+    return AutoProcessor.from_pretrained(model_dir)
+
+
+def test_agent_loop_gives_a_qwen2_vl_model_each_turns_image(grid_server, vl_model_dir, vl_rollouts):
+    """The tiny Qwen2-VL plays FrozenLake from pictures through verl's worker: verl's Qwen-VL token
+    builder renders each observation's image with the checkpoint's processor (image pad tokens where
+    the processor puts them), every generate call carries all the conversation's images, pixel for
+    pixel the env's PNGs, the response mask is 1 exactly on the model's tokens and 0 on each
+    observation turn (its image tokens included), and the episode's env rewards are its score."""
+    r = vl_rollouts(grammar=one_answer(vl_model_dir))
+    processor = vl_processor(vl_model_dir)
+    tok = processor.tokenizer
+    pad = processor.image_token_id
+    rows = [{"seed": s, "env_config": IMAGE_CONFIG} for s in range(3)]
+    data = r.run(rows)
+    outs = unpad(data)
+    pool = r.history()
+    finished, turns = 0, []
+    with EnvClient(grid_server.address) as c:
+        for i, (out, row) in enumerate(zip(outs, rows)):
+            calls = calls_for(out, pool)
+            assert calls and len(out.response_ids) == len(out.response_mask) <= RESPONSE_LENGTH
+            opened = c.open_sessions("frozenlake", 1, IMAGE_CONFIG, "no_think")
+            sid = opened.session_ids[0]
+            try:
+                first = c.reset_one(sid, row["seed"])
+                assert len(first.observation.images) == 1
+                pngs = [first.observation.images[0].png]
+                # The prompt: the processor's own rendering of (rules, first picture and text).
+                image = Image.open(io.BytesIO(pngs[0]))
+                text = processor.apply_chat_template(
+                    [{"role": "system", "content": opened.system_prompt},
+                     {"role": "user", "content": [{"type": "image", "image": image},
+                                                  {"type": "text", "text": first.observation.text}]}],
+                    add_generation_prompt=True, tokenize=False)
+                expected = processor(text=[text], images=[image], return_tensors="pt")["input_ids"][0].tolist()
+                assert out.prompt_ids == expected
+                per_image = image_token_count(processor, image)
+                assert per_image > 0 and out.prompt_ids.count(pad) == per_image
+                runs = segments(out.response_mask)
+                generated = [run for run in runs if run[0] == 1]
+                assert [v for v, _, _ in runs] == [1, 0] * (len(runs) // 2) + [1] * (len(runs) % 2)
+                assert len(generated) == len(calls)
+                results = []
+                for k, ((_, a, b), call) in enumerate(zip(generated, calls)):
+                    # The model saw the conversation so far and every picture in it, as the env drew it.
+                    assert call["prompt_ids"] == out.prompt_ids + out.response_ids[:a]
+                    assert call["images"] == [pixels(png) for png in pngs]
+                    assert call["prompt_ids"].count(pad) == per_image * len(pngs)
+                    assert out.response_ids[a:b] == call["token_ids"]
+                    results.append(c.step_one(sid, tok.decode(call["token_ids"], skip_special_tokens=True)))
+                    if k + 1 < len(generated):
+                        _, oa, ob = runs[2 * k + 1]
+                        head = "\n" if call["token_ids"][-1] == tok.eos_token_id else ""
+                        # The observation turn: the new picture's pad tokens, then the env's text; mask 0.
+                        assert tok.decode(out.response_ids[oa:ob]) == (
+                            f"{head}<|im_start|>user\n<|vision_start|>{'<|image_pad|>' * per_image}<|vision_end|>"
+                            f"{observation_text(results[-1])}<|im_end|>\n<|im_start|>assistant\n")
+                        pngs.append(results[-1].observation.images[0].png)
+                # Every image token of the response is an observation's, under mask 0.
+                image_positions = [j for j, t in enumerate(out.response_ids) if t == pad]
+                assert len(image_positions) == per_image * (len(generated) - 1)
+                assert all(out.response_mask[j] == 0 for j in image_positions)
+                assert all(t != pad for t, m in zip(out.response_ids, out.response_mask) if m == 1)
+            finally:
+                c.close_sessions([sid])
+            assert out.reward_score == pytest.approx(sum(x.reward for x in results), abs=1e-6)
+            assert out.extra_fields["turn_scores"] == pytest.approx([x.reward for x in results])
+            finished += bool(results[-1].done)
+            turns.append(len(results))
+            # The batch carries the images for the trainer: verl's processor features of this rollout's pictures.
+            mm = data.non_tensor_batch["multi_modal_inputs"][i]
+            assert mm["image_grid_thw"].shape[0] == len(pngs)
+    assert not pool
+    assert finished >= 1 and max(turns) >= 2   # an episode ended; pictures came with observation turns
+
+
+def test_tool_pictures_reach_a_qwen2_vl_model_through_verls_tool_agent_loop(grid_server, vl_model_dir, vl_rollouts):
+    """verl's stock ToolAgentLoop with EnvServeTool on picture-rendering sessions: each tool
+    response's image becomes an image block of the tool turn, rendered by the processor into pad
+    tokens under mask 0, and every later generate call carries the pictures so far, equal to the
+    replayed episode's PNGs."""
+    r = vl_rollouts(grammar=one_call(vl_model_dir), tool_options={"per_trajectory": True, "env_config": IMAGE_CONFIG},
+                    overrides=("actor_rollout_ref.rollout.multi_turn.max_assistant_turns=4",))
+    processor = vl_processor(vl_model_dir)
+    tok, pad = processor.tokenizer, processor.image_token_id
+    rows = [{"agent_name": "tool_agent", "seed": seed,
+             "raw_prompt": [{"role": "user", "content": "Reach the goal. Each move shows the lake."}],
+             "tools_kwargs": {"move": {"create_kwargs": {"seed": seed}}}} for seed in (0, 1)]
+    outs = unpad(r.run(rows))
+    pool = r.history()
+    pictured = 0
+    with EnvClient(grid_server.address) as c:
+        for out, row in zip(outs, rows):
+            calls = calls_for(out, pool)
+            runs = segments(out.response_mask)
+            generated = [(a, b) for v, a, b in runs if v == 1]
+            assert len(calls) == len(generated) >= 2
+            directions = [json.loads(tok.decode(out.response_ids[a:b], skip_special_tokens=True)
+                                     .split("<tool_call>")[1].split("</tool_call>")[0])["arguments"]["direction"]
+                          for a, b in generated]
+            executed = len(out.extra_fields["tool_rewards"])
+            sid = c.open(env_id="frozenlake", count=1, config=IMAGE_CONFIG, action_format="no_think")[0]
+            c.reset_one(sid, row["seed"])
+            replay = []
+            for d in directions[:executed]:
+                replay.append(c.step_one(sid, plain_answer("no_think", [d])))
+                if replay[-1].done or replay[-1].truncated:
+                    break
+            c.close_sessions([sid])
+            pngs = [x.observation.images[0].png for x in replay]
+            per_image = image_token_count(processor, Image.open(io.BytesIO(pngs[0])))
+            for k, ((a, b), call) in enumerate(zip(generated, calls)):
+                assert call["prompt_ids"] == out.prompt_ids + out.response_ids[:a]
+                assert out.response_ids[a:b] == call["token_ids"]
+                assert call["images"] == [pixels(png) for png in pngs[:k]]
+                assert call["prompt_ids"].count(pad) == per_image * min(k, len(pngs))
+            image_positions = [j for j, t in enumerate(out.response_ids) if t == pad]
+            shown = min(len(pngs), len(generated) - 1)
+            assert len(image_positions) == per_image * shown
+            assert all(out.response_mask[j] == 0 for j in image_positions)
+            pictured += shown
+            assert list(out.extra_fields["tool_rewards"]) == pytest.approx(
+                [x.reward for x in replay] + [0.0] * (executed - len(replay)))
+    assert not pool and pictured >= 2
+    with EnvClient(grid_server.address) as c:   # the episodes that did not end
+        c.close_sessions(sorted({o.extra_fields["envserve_session"] for o in outs}
+                                & live_session_ids(grid_server.address, "frozenlake")))
 
 
 # -- the tool --------------------------------------------------------------------------------------

@@ -13,7 +13,11 @@ turns are tokenized by verl's own Continuous Token builder (the chat template's 
 response mask is 1 on generated tokens and 0 on observation turns and the template's scaffolding. The
 episode ends when the env says done or truncated, after `max_turns` turns, or when the response budget
 (`actor_rollout_ref.rollout.response_length`) is spent. reward_score is the episode's summed env
-reward; the session is closed at the end, also when anything fails.
+reward; the session is closed at the end, also when anything fails. Observations with images (a
+session with `render_image`) put them before the text as image blocks: verl's VL token builder
+renders them through the model's processor (image pad tokens, mask 0 with the rest of the turn),
+each generate call sends the conversation's images as `image_data`, and the output's
+`multi_modal_data` holds them for the trainer. A model without a processor fails such a rollout.
 
 Settings, in increasing precedence: the agent-loop entry of `agent_loop_config_path` (keys passed to
 the constructor: address, env_id, env_config, action_format, max_turns, token, timeout, stream,
@@ -35,7 +39,8 @@ per replica and event loop, shared by the loop's rollouts (`stream: false`: a un
 
 **The tool** (`EnvServeTool`, a verl BaseTool, for tool-calling loops): `create` opens and resets a
 session (seed from its kwargs), `execute` is one Step with the call's argument written as a minimal
-answer in the session's format, `calc_reward` is the episode return, `release` closes the session.
+answer in the session's format, `calc_reward` is the episode return, `release` closes the session. A step's images come in the
+ToolResponse's `image`, which verl's ToolAgentLoop makes image blocks of the tool turn.
 
     # tools.yaml, named by actor_rollout_ref.rollout.multi_turn.tool_config_path
     tools:
