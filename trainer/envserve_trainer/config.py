@@ -27,6 +27,7 @@ TEMPLATES = ("chat", "rlvmr", "vagen")
 MEMORY_MODES = ("trajectories", "reflections", "both")
 BACKENDS = ("hf", "vllm", "openai")
 RANDOM_SIZES = ("tiny", "small")     # model.MODEL_SIZES
+VISION_ARCHS = ("qwen2_vl", "idefics3")   # vision_model.ARCHS
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -93,6 +94,9 @@ class RolloutSection:
     # flight (1: EnvPool's start-at-once). An in-process model on a CPU pays the same per-token cost for
     # 1 row as for 32, so there a larger batch is worth a few milliseconds of waiting for env steps.
     min_batch: int = 1
+    # A vision-language policy's bound on the images in one context: the history window's oldest
+    # turns leave first (VAGEN's multi-turn prompts keep a few recent frames).
+    max_images: int = 4
 
     def __post_init__(self) -> None:
         if self.group_size < 1 or self.tasks_per_iteration < 1:
@@ -106,6 +110,8 @@ class RolloutSection:
                 raise ValueError(f"rollout.{name} must be >= 0")
         if self.max_batch < 1 or self.min_batch < 1:
             raise ValueError("rollout.max_batch and rollout.min_batch must be >= 1")
+        if self.max_images < 1:
+            raise ValueError(f"rollout.max_images must be >= 1, got {self.max_images}")
 
 
 @dataclass(frozen=True)
@@ -171,6 +177,10 @@ class ModelSection:
     # embeddings and lower blocks stay frozen, so backpropagation stops N blocks down: on a CPU, where
     # every token's backward pass counts, this is what makes a 135M model trainable in minutes.
     trainable_layers: int = 0
+    # A vision-language policy: "qwen2_vl" (VAGEN's family) or "idefics3" (SmolVLM). With random_init,
+    # a random-weight model of that architecture (vision_model.build_vlm); else `path` is a local
+    # folder holding one. Empty: a text-only causal LM.
+    vision: str = ""
     # openai backend: where to send requests (evaluation only; it cannot be trained).
     base_url: str = ""
     model_name: str = ""
@@ -182,6 +192,8 @@ class ModelSection:
         one_of("model.dtype", self.dtype, DTYPES)
         if self.trainable_layers < 0:
             raise ValueError(f"model.trainable_layers must be >= 0, got {self.trainable_layers}")
+        if self.vision:
+            one_of("model.vision", self.vision, VISION_ARCHS)
 
 
 @dataclass(frozen=True)

@@ -38,37 +38,47 @@ STATE_FILE = "trainer_state.json"
 
 
 class ValueHead(torch.nn.Module):
-    """A critic: the policy's transformer body (a copy) and a scalar head on each position."""
+    """A critic: the policy's transformer body (a copy; a VLM's with its vision tower, so the critic
+    sees the images too) and a scalar head on each position."""
 
     def __init__(self, policy_model):
         super().__init__()
         import copy
         body = copy.deepcopy(policy_model.model if hasattr(policy_model, "model") else policy_model)
         self.body = body
-        self.head = torch.nn.Linear(policy_model.config.hidden_size, 1)
+        self.head = torch.nn.Linear(policy_model.config.get_text_config().hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
-    def forward(self, input_ids, attention_mask, position_ids):
-        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           use_cache=False).last_hidden_state
+    def forward(self, input_ids, attention_mask, position_ids=None, **vision):
+        kwargs = dict(vision) if vision else {"position_ids": position_ids}
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                           **kwargs).last_hidden_state
         return self.head(hidden).squeeze(-1)
 
 
 def critic_values(critic: torch.nn.Module, prompt_ids: Sequence[Sequence[int]],
-                  completion_ids: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, C] values of the states each completion token was chosen in (the position before it)."""
-    ids, mask, completion_mask = scoring_layout(prompt_ids, completion_ids, pad_token_id,
-                                                next(critic.parameters()).device)
+                  completion_ids: Sequence[Sequence[int]], pad_token_id: int, codec=None,
+                  images: Sequence[Sequence[bytes]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, C] values of the states each completion token was chosen in (the position before it).
+    With a vision codec, `images[i]` are the PNGs row i's prompt holds."""
+    device = next(critic.parameters()).device
+    ids, mask, completion_mask = scoring_layout(prompt_ids, completion_ids, pad_token_id, device)
     width = completion_mask.shape[1]
-    v = critic(ids, mask, positions(mask))
+    if codec is not None and images is not None and any(images):
+        from .policy.vision import forward_kwargs
+        kwargs = forward_kwargs(codec, ids, mask, codec.model_inputs(images, device, prompt_ids=prompt_ids))
+        v = critic(**kwargs)
+    else:
+        v = critic(ids, mask, positions(mask))
     return v[:, -width - 1:-1], completion_mask.bool()
 
 
 class Learner:
     def __init__(self, model, tokenizer, cfg: TrainConfig, dist: Dist, allowed: torch.Tensor | None = None,
-                 reference=None):
+                 reference=None, codec=None):
         self.cfg = cfg
+        self.codec = codec                       # a VLM's (policy.vision.VisionCodec): samples carry images
         self.dist = dist
         self.tokenizer = tokenizer
         self.pad_token_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
@@ -94,14 +104,15 @@ class Learner:
 
     # -- critic values for the GAE estimators ---------------------------------------------------------
     @torch.no_grad()
-    def values(self, prompt_ids, completion_ids) -> list[np.ndarray]:
+    def values(self, prompt_ids, completion_ids, images=None) -> list[np.ndarray]:
         if self.critic is None:
             raise RuntimeError("no critic: the estimator does not use one")
         out: list[np.ndarray] = []
         mb = self.cfg.update.micro_batch_size
         for s in range(0, len(prompt_ids), mb):
             p, c = prompt_ids[s:s + mb], completion_ids[s:s + mb]
-            v, m = critic_values(self.critic, p, c, self.pad_token_id)
+            v, m = critic_values(self.critic, p, c, self.pad_token_id, self.codec,
+                                 images[s:s + mb] if images is not None else None)
             out += [v[i, :len(c[i])].double().cpu().numpy() for i in range(len(c))]
         return out
 
@@ -109,6 +120,13 @@ class Learner:
     def _logprobs(self, model, batch: Sequence[Sample], entropy: bool = False):
         # A wrapped (DDP/FSDP) module must see one forward per backward: no separate prefix pass.
         wrapped = model is self.train_model and self.train_model is not self.model
+        if self.codec is not None:
+            from .policy.vision import vision_sequence_logprobs
+            return vision_sequence_logprobs(model, self.codec, [s.prompt_ids for s in batch],
+                                            [s.completion_ids for s in batch], [s.images for s in batch],
+                                            temperature=self.cfg.rollout.temperature or 1.0,
+                                            pad_token_id=self.pad_token_id, allowed=self.allowed,
+                                            return_entropy=entropy)
         return sequence_logprobs(model, [s.prompt_ids for s in batch], [s.completion_ids for s in batch],
                                  temperature=self.cfg.rollout.temperature or 1.0, pad_token_id=self.pad_token_id,
                                  allowed=self.allowed, return_entropy=entropy, share_prefix=not wrapped)
@@ -304,7 +322,8 @@ class Learner:
         value_loss = None
         if self.critic is not None:
             values, vmask = critic_values(self.train_critic, [s.prompt_ids for s in batch],
-                                          [s.completion_ids for s in batch], self.pad_token_id)
+                                          [s.completion_ids for s in batch], self.pad_token_id, self.codec,
+                                          [s.images for s in batch])
             returns = self._padded([s.returns if s.returns is not None else np.zeros(len(s.completion_ids))
                                     for s in batch], values.shape[1], device)
             value_loss = (((values - returns) ** 2) * vmask.float()).sum() / max(tokens, 1)
@@ -341,7 +360,8 @@ class Learner:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         self.rollout_model.save_pretrained(tmp / "policy", state_dict=state_dict)
-        self.tokenizer.save_pretrained(tmp / "policy")
+        # A VLM's processor holds its tokenizer, image processor and chat template.
+        (self.codec.processor if self.codec is not None else self.tokenizer).save_pretrained(tmp / "policy")
         torch.save(optimizer_state, tmp / "optimizer.pt")
         if self.critic is not None:
             torch.save({"critic": self.critic.state_dict(), "optimizer": self.critic_optimizer.state_dict()},

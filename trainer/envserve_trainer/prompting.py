@@ -37,10 +37,12 @@ MEMORY_HEADER = "\n\nWhat you remember from earlier attempts at this same task:\
 
 
 class ChatLayout:
-    """Token blocks of one tokenizer's chat template."""
+    """Token blocks of one tokenizer's chat template. With a vision codec (policy.vision.VisionCodec),
+    a user block may hold images: each becomes the processor's expanded placeholder, ahead of the text."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, codec=None):
         self.tokenizer = tokenizer
+        self.codec = codec
         self.stop_token_id = int(tokenizer.eos_token_id)
         probe_sys = {"role": "system", "content": "S"}
         probe_user = {"role": "user", "content": "U"}
@@ -67,12 +69,26 @@ class ChatLayout:
     def system_ids(self, content: str) -> list[int]:
         return self._render([{"role": "system", "content": content}])
 
-    def user_ids(self, content: str) -> list[int]:
+    def user_ids(self, content: str, pngs: Sequence[bytes] = ()) -> list[int]:
         # The user block as it renders after a system block (templates may add a default system
         # message when none is given, so the difference is taken against a fixed one).
+        if pngs:
+            return self._user_ids_with_images(content, pngs)
         base = self._render([{"role": "system", "content": "S"}])
         full = self._render([{"role": "system", "content": "S"}, {"role": "user", "content": content}])
         return full[len(base):]
+
+    def _user_ids_with_images(self, content: str, pngs: Sequence[bytes]) -> list[int]:
+        if self.codec is None:
+            raise ValueError("this observation holds images but the policy reads text only: use a "
+                             "vision-language model (model.vision) or leave render_image off")
+        system = [{"role": "system", "content": "S"}]
+        blocks = [{"type": "image"} for _ in pngs] + [{"type": "text", "text": content}]
+        base = self.codec.render(system, add_generation_prompt=False)
+        full = self.codec.render(system + [{"role": "user", "content": blocks}], add_generation_prompt=False)
+        if not full.startswith(base):
+            raise ValueError("the processor's chat template does not render a user turn as an extension")
+        return self.codec.encode(full[len(base):], pngs)
 
     def text_ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
@@ -93,6 +109,7 @@ class HistoryTurn:
     answer_ids: list[int]          # prefix + completion, closed
     action: str
     feedback: str = ""
+    images: list[bytes] = field(default_factory=list)   # the PNGs of its user block, in order
 
 
 @dataclass
@@ -108,6 +125,8 @@ class ContextBuilder:
     memory: str = ""
     history: list[HistoryTurn] = field(default_factory=list)
     plan: str = ""
+    max_images: int = 0            # most images in one context (0: no bound); the oldest turns leave first
+    context_images: list[bytes] = field(default_factory=list)   # the PNGs of the last prompt_ids, in order
     _system_cache: tuple[str, list[int]] | None = None
 
     def _system(self) -> list[int]:
@@ -133,22 +152,34 @@ class ContextBuilder:
             return observation + VAGEN_SUFFIX
         return observation
 
-    def prompt_ids(self, observation: str, turn: int) -> tuple[list[int], list[int]]:
-        """(context ids ending with the assistant header and response prefix, the user block shown)."""
-        user = self.layout.user_ids(self.user_text(observation, turn))
+    def prompt_ids(self, observation: str, turn: int, images: Sequence[bytes] = ()) -> tuple[list[int], list[int]]:
+        """(context ids ending with the assistant header and response prefix, the user block shown).
+        `images`: the observation's PNGs; context_images then holds every image of the context."""
+        user = self.layout.user_ids(self.user_text(observation, turn), images)
         ids = list(self._system())
-        if self.template != "rlvmr":
-            kept = self.history[-self.history_turns:] if self.history_turns else []
-            for h in kept:
-                ids += h.observation_ids + self.layout.header_ids + h.answer_ids
+        kept = self.kept_turns(len(images)) if self.template != "rlvmr" else []
+        for h in kept:
+            ids += h.observation_ids + self.layout.header_ids + h.answer_ids
         ids += user + self.layout.header_ids + self.layout.text_ids(self.response_prefix)
+        self.context_images = [png for h in kept for png in h.images] + list(images)
         return ids, user
 
+    def kept_turns(self, new_images: int = 0) -> list[HistoryTurn]:
+        """The history window, less its oldest turns while their images and `new_images` exceed
+        max_images (a turn keeps its images or leaves whole: its ids hold their tokens)."""
+        kept = self.history[-self.history_turns:] if self.history_turns else []
+        if self.max_images:
+            if new_images > self.max_images:
+                raise ValueError(f"an observation with {new_images} images, more than max_images {self.max_images}")
+            while kept and new_images + sum(len(h.images) for h in kept) > self.max_images:
+                kept = kept[1:]
+        return kept
+
     def record(self, observation: str, user_ids: list[int], completion_ids: Sequence[int], action: str,
-               feedback: str = "", plan: str | None = None) -> None:
+               feedback: str = "", plan: str | None = None, images: Sequence[bytes] = ()) -> None:
         answer = self.layout.text_ids(self.response_prefix) + self.layout.closed_answer(
             completion_ids, self.layout.text_ids(self.response_suffix))
-        self.history.append(HistoryTurn(observation, user_ids, answer, action, feedback))
+        self.history.append(HistoryTurn(observation, user_ids, answer, action, feedback, list(images)))
         if plan:
             self.plan = plan
         # Only the window is ever read; older turns are dropped to keep memory flat.
@@ -160,8 +191,10 @@ class ContextBuilder:
 def reflection_prompt(layout: ChatLayout, builder: ContextBuilder, last_observation: str, success: bool) -> list[int]:
     """The context for LaMer's reflection after an episode: the episode's last turns, then the request."""
     ids = list(builder._system())
-    for h in builder.history[-builder.history_turns:] if builder.history_turns else []:
+    kept = builder.kept_turns()
+    for h in kept:
         ids += h.observation_ids + layout.header_ids + h.answer_ids
+    builder.context_images = [png for h in kept for png in h.images]
     request = last_observation + "\n\n" + REFLECTION_REQUEST.format(outcome="success" if success else "failure")
     return ids + layout.user_ids(request) + layout.header_ids
 

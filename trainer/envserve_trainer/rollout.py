@@ -69,6 +69,8 @@ class _Run:
     last_turn: int = 0
     last_anchor: str = ""
     pending: tuple[list[int], list[int]] | None = None   # (prompt ids, user block) awaiting the policy
+    pending_images: list[bytes] = field(default_factory=list)   # the PNGs the pending prompt holds
+    last_images: list[bytes] = field(default_factory=list)      # the last observation's PNGs (a VLM's)
     finished: bool = False
     awaiting: str = ""             # "reset" or "step": what the session's next result answers
     memory: list[str] = field(default_factory=list)
@@ -117,7 +119,10 @@ class RolloutEngine:
         self.policy = policy
         self.cfg = cfg
         self.seed = seed
-        self.layout = ChatLayout(tokenizer)
+        # A vision-language policy (policy.vision.HFVisionPolicy) reads each observation's PNGs; a text
+        # policy reads the text alone, whatever images the env sends.
+        self.codec = getattr(policy, "codec", None)
+        self.layout = ChatLayout(tokenizer, self.codec)
         self.tokenizer = tokenizer
         self.progress = progress
         self.sessions: list[str] = []
@@ -157,7 +162,8 @@ class RolloutEngine:
             for k in range(group_size):
                 trial = Trial(group=task.group, sample=k, info={"task_seed": task.seed, "split": task.split})
                 builder = ContextBuilder(self.layout, self.system_prompt, ro.template, ro.history_turns,
-                                         ro.response_prefix, ro.response_suffix, self.admissible)
+                                         ro.response_prefix, ro.response_suffix, self.admissible,
+                                         max_images=ro.max_images)
                 runs.append(_Run(sids[i * group_size + k], task, trial, builder,
                                  (self.seed, iteration, task.split, task.seed, k)))
         by_tag: dict[int, _Run] = {}
@@ -241,11 +247,13 @@ class RolloutEngine:
                 seeds.append(turn_seed(*run.seed_base, ep.episode, len(ep.turns)))
             else:
                 run.pending = (reflection_prompt(self.layout, run.builder, run.last_observation, ep.success), [])
+                run.pending_images = list(run.builder.context_images)
                 prompts.append(run.pending[0])
                 seeds.append(turn_seed(*run.seed_base, ep.episode, "reflect"))
         max_new = ro.max_new_tokens if kind == ACT else ro.reflection_max_new_tokens
+        vision = {"images": [run.pending_images for run in batch]} if self.codec is not None else {}
         gens = self.policy.generate_from_ids(prompts, max_new, temperature=temperature, top_p=ro.top_p,
-                                             row_seeds=seeds)
+                                             row_seeds=seeds, **vision)
         if self.progress is not None and kind == ACT:
             self.progress(len(batch))
         return gens
@@ -258,8 +266,8 @@ class RolloutEngine:
         run.episode.turns.append(Turn(
             turn=run.last_turn, prompt_ids=list(prompt_ids), completion_ids=list(gen.completion_token_ids),
             logprobs=list(gen.completion_logprobs), text=gen.text, action=action, observation="", reward=0.0,
-            state_anchor=run.last_anchor))
-        run.builder.record(run.last_observation, user_ids, gen.completion_token_ids, action)
+            state_anchor=run.last_anchor, prompt_images=list(run.pending_images)))
+        run.builder.record(run.last_observation, user_ids, gen.completion_token_ids, action, images=run.last_images)
         return action
 
     def _on_reflection(self, run: _Run, gen) -> None:
@@ -267,6 +275,7 @@ class RolloutEngine:
         ep.reflection = remark_of(gen.text)
         prompt, run.pending = run.pending[0], None
         ep.reflection_ids = (prompt, list(gen.completion_token_ids), list(gen.completion_logprobs))
+        ep.reflection_images = list(run.pending_images)
         run.memory.append(f"reflection: {ep.reflection}")
 
     # -- env side -------------------------------------------------------------------------------------
@@ -297,7 +306,17 @@ class RolloutEngine:
             if turn.done or turn.truncated or ep.turn_limited:
                 return self._episode_over(run, obs, n_episodes)
         run.last_observation, run.last_turn, run.last_anchor = obs, result.turn, result.anchor
-        run.pending = run.builder.prompt_ids(obs, result.turn)
+        run.last_images = [im.png for im in result.observation.images] if self.codec is not None else []
+        try:
+            if not run.last_images and self.codec is not None and (self.cfg.env.env_config or {}).get("image_only"):
+                raise ValueError("an image-only observation came without its image")
+            run.pending = run.builder.prompt_ids(obs, result.turn, run.last_images)
+        except ValueError as e:  # an image the policy cannot read (corrupt, too large, too many)
+            run.trial.info["error"] = f"observation: {e}"
+            run.finished = True
+            log.warning("session %s: %s (its trial is dropped)", run.session_id, e)
+            return None
+        run.pending_images = list(run.builder.context_images)
         return ACT
 
     def _episode_over(self, run: _Run, obs: str, n_episodes: int) -> str | None:

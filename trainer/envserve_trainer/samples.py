@@ -22,7 +22,7 @@ process.reward_coef x the process reward a process method gave the turn (process
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
@@ -41,6 +41,7 @@ class Sample:
     advantages: np.ndarray          # one per completion token
     returns: np.ndarray | None = None   # critic targets per token (GAE estimators)
     group: str = ""
+    images: list[bytes] = field(default_factory=list)   # the PNGs prompt_ids holds (a VLM's), in order
 
 
 def turn_reward(turn: Turn, cfg: TrainConfig) -> float:
@@ -63,7 +64,8 @@ def usable(trials: Sequence[Trial]) -> list[Trial]:
 def _turn_sample(turn: Turn, values: np.ndarray, group: str, returns: np.ndarray | None = None) -> Sample:
     n = len(turn.completion_ids)
     return Sample(turn.prompt_ids, turn.completion_ids, turn.logprobs,
-                  np.broadcast_to(np.asarray(values, dtype=np.float64), (n,)).copy(), returns, group)
+                  np.broadcast_to(np.asarray(values, dtype=np.float64), (n,)).copy(), returns, group,
+                  turn.prompt_images)
 
 
 ValueFn = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], list[np.ndarray]]
@@ -86,7 +88,8 @@ def build_samples(trials: Sequence[Trial], cfg: TrainConfig, value_fn: ValueFn |
                 if ep.reflection_ids is not None and n + 1 < len(trial_advs):
                     prompt, completion, logps = ep.reflection_ids
                     nxt = float(trial_advs[n + 1][0]) if len(trial_advs[n + 1]) else 0.0
-                    out.append(Sample(prompt, completion, logps, np.full(len(completion), nxt), None, tr.group))
+                    out.append(Sample(prompt, completion, logps, np.full(len(completion), nxt), None, tr.group,
+                                      ep.reflection_images))
         return out
 
     # The other estimators train on episodes: every episode of every trial, grouped by task.
@@ -116,7 +119,10 @@ def build_samples(trials: Sequence[Trial], cfg: TrainConfig, value_fn: ValueFn |
         if value_fn is None:
             raise ValueError(f"estimator {est!r} needs a critic (value_fn)")
         for ep, g, r in zip(episodes, groups, rewards):
-            values = value_fn([t.prompt_ids for t in ep.turns], [t.completion_ids for t in ep.turns])
+            args = [[t.prompt_ids for t in ep.turns], [t.completion_ids for t in ep.turns]]
+            if any(t.prompt_images for t in ep.turns):
+                args.append([t.prompt_images for t in ep.turns])   # a VLM's critic reads them too
+            values = value_fn(*args)
             lengths = [len(t.completion_ids) for t in ep.turns]
             v = np.concatenate(values) if values else np.zeros(0)
             mask = np.ones(len(v))
@@ -133,7 +139,7 @@ def build_samples(trials: Sequence[Trial], cfg: TrainConfig, value_fn: ValueFn |
             start = 0
             for t, n in zip(ep.turns, lengths):
                 out.append(Sample(t.prompt_ids, t.completion_ids, t.logprobs, a[start:start + n].copy(),
-                                  ret[start:start + n].copy(), g))
+                                  ret[start:start + n].copy(), g, t.prompt_images))
                 start += n
     else:  # config validation makes this unreachable
         raise ValueError(f"unknown estimator {est!r}")

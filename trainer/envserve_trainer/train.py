@@ -106,6 +106,34 @@ def build_policy_model(cfg: TrainConfig, device: str, connection: "Connection | 
     return model, tok
 
 
+def build_vision_policy_model(cfg: TrainConfig, device: str, connection: "Connection | None" = None):
+    """(model, processor) of model.vision's architecture: random weights (model.random_init, the
+    tokenizer built from the env's texts as build_policy_model does) or a local folder (model.path)."""
+    from .pretrained import train_top_layers
+    from .vision_model import build_vlm, load_vlm
+    m = cfg.model
+    if not m.random_init:
+        model, processor = load_vlm(m.path, device)
+    else:
+        from .model import build_tokenizer, corpus_from_envs
+        if connection is None:
+            raise ValueError("model.random_init builds its tokenizer from the env's texts: it needs a connection")
+        client = connection.sync_client()
+        try:
+            tok = build_tokenizer(corpus_from_envs(client, (cfg.env.env_id,)))
+        finally:
+            client.close()
+        model, processor = build_vlm(m.vision, tok, m.random_init, seed=m.seed)
+        model = model.to(device)
+    train_top_layers(model, m.trainable_layers)
+    return model, processor
+
+
+def vision_codec(cfg: TrainConfig, processor):
+    from .policy.vision import VisionCodec
+    return VisionCodec(processor, max_images=cfg.rollout.max_images)
+
+
 def task_schedule(cfg: TrainConfig, iteration: int) -> list[Task]:
     """The iteration's tasks: the training seeds in order, cycling."""
     env, n = cfg.env, cfg.rollout.tasks_per_iteration
@@ -165,7 +193,13 @@ class Trainer:
         if cfg.model.backend != "hf":
             raise ValueError(f"training needs a trainable backend: model.backend {cfg.model.backend!r} only "
                              f"serves rollouts and evaluation (use hf; vllm rollouts: see README)")
-        model, self.tokenizer = build_policy_model(cfg, self.device, connection)
+        self.codec = None
+        if cfg.model.vision:
+            model, processor = build_vision_policy_model(cfg, self.device, connection)
+            self.codec = vision_codec(cfg, processor)
+            self.tokenizer = processor.tokenizer
+        else:
+            model, self.tokenizer = build_policy_model(cfg, self.device, connection)
         self.allowed_ids = allowed_token_ids(self.tokenizer, cfg.rollout.allowed_words, cfg.rollout.max_new_tokens)
         from .pretrained import load_pretrained, save_model
         reference = None
@@ -174,17 +208,29 @@ class Trainer:
             ref_dir = self.out / REFERENCE_DIR
             # The reference is the starting policy; a resumed run must keep the original one.
             if resume and ref_dir.exists():
-                reference, _ = load_pretrained(str(ref_dir), self.device, cfg.model.dtype)
+                if self.codec is not None:
+                    from .vision_model import load_vlm
+                    reference, _ = load_vlm(ref_dir, self.device)
+                else:
+                    reference, _ = load_pretrained(str(ref_dir), self.device, cfg.model.dtype)
             else:
                 import copy
                 reference = copy.deepcopy(model)
                 if self.dist.is_main:
-                    save_model(ref_dir, reference, self.tokenizer)
+                    save_model(ref_dir, reference, self.codec.processor if self.codec else self.tokenizer)
         from .policy.hf import HFPolicy
         from .policy.hf import vocabulary_mask
-        allowed = vocabulary_mask(self.allowed_ids, int(model.config.vocab_size))
-        self.learner = Learner(model, self.tokenizer, cfg, self.dist, reference=reference, allowed=allowed)
-        self.policy = HFPolicy(self.learner.rollout_model, self.tokenizer, allowed_token_ids=self.allowed_ids)
+        allowed = vocabulary_mask(self.allowed_ids, int(model.config.get_text_config().vocab_size))
+        if self.codec is not None:
+            from .policy.vision import HFVisionPolicy
+            self.learner = Learner(model, self.tokenizer, cfg, self.dist, reference=reference, codec=self.codec,
+                                   allowed=allowed)
+            self.policy = HFVisionPolicy(self.learner.rollout_model, self.codec, allowed_token_ids=self.allowed_ids)
+            # Sampling never draws the image placeholder; scoring masks the same vocabulary.
+            self.learner.allowed = self.policy.allowed
+        else:
+            self.learner = Learner(model, self.tokenizer, cfg, self.dist, reference=reference, allowed=allowed)
+            self.policy = HFPolicy(self.learner.rollout_model, self.tokenizer, allowed_token_ids=self.allowed_ids)
         self.start_iteration = 0
         if resume:
             ckpt = latest_checkpoint(self.out)

@@ -34,6 +34,7 @@ class Turn:
     feedback: str = ""
     judge_scores: dict[str, float] = field(default_factory=dict)   # field -> judge score
     process_reward: float | None = None   # a process reward model's reward for this step (process/)
+    prompt_images: list[bytes] = field(default_factory=list)   # PNGs whose tokens prompt_ids holds, in order
 
     @property
     def parsed(self) -> bool:
@@ -55,6 +56,7 @@ class Episode:
     turns: list[Turn] = field(default_factory=list)
     reflection: str = ""           # LaMer: the remark written after this episode, if any
     reflection_ids: tuple[list[int], list[int], list[float]] | None = None  # its (prompt, completion, logprobs)
+    reflection_images: list[bytes] = field(default_factory=list)   # the PNGs its prompt holds
     turn_limited: bool = False     # the trainer's max_turns ended it before the env did
 
     @property

@@ -364,7 +364,20 @@ class HFPolicy(ChatFromIds):
         self.model = None
 
 
+def _is_vision_folder(path: Path) -> bool:
+    """Whether a save_pretrained folder holds a vision-language model (its config has a vision part)."""
+    import json
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return "vision_config" in config
+
+
 def _load_state(path: Path) -> Mapping[str, torch.Tensor]:
+    if path.is_dir() and _is_vision_folder(path):
+        from transformers import AutoModelForImageTextToText
+        return AutoModelForImageTextToText.from_pretrained(path, local_files_only=True).state_dict()
     if path.is_dir():
         from transformers import AutoModelForCausalLM
         return AutoModelForCausalLM.from_pretrained(path).state_dict()

@@ -259,7 +259,7 @@ def _pad_id(codec: VisionCodec, pad_token_id: int | None) -> int:
     return int(pad if pad is not None else codec.tokenizer.eos_token_id)
 
 
-def _full_forward_kwargs(codec: VisionCodec, ids: torch.Tensor, mask: torch.Tensor,
+def forward_kwargs(codec: VisionCodec, ids: torch.Tensor, mask: torch.Tensor,
                          vision: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """Keyword arguments of a forward pass over whole sequences (no cache) with their images."""
     kwargs: dict[str, Any] = dict(input_ids=ids, attention_mask=mask, **vision)
@@ -297,7 +297,7 @@ def vision_sequence_logprobs(model, codec: VisionCodec, prompt_ids: Sequence[Seq
         return empty + (torch.zeros((batch, 0), device=device),) if return_entropy else empty
     ids, mask, completion_mask = scoring_layout(prompt_ids, completion_ids, _pad_id(codec, pad_token_id), device)
     vision = codec.model_inputs(images, device, prompt_ids=prompt_ids)
-    out = model(**_full_forward_kwargs(codec, ids, mask, vision), use_cache=False, logits_to_keep=width + 1)
+    out = model(**forward_kwargs(codec, ids, mask, vision), use_cache=False, logits_to_keep=width + 1)
     logits = out.logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -386,7 +386,7 @@ class HFVisionPolicy:
         was_training = model.training
         model.eval()
         try:
-            prefill = _full_forward_kwargs(self.codec, ids, mask, vision)
+            prefill = forward_kwargs(self.codec, ids, mask, vision)
             out = model(**prefill, use_cache=True, logits_to_keep=1)
             next_pos = self._next_positions(model, mask, prefill)
             for step in range(max_new_tokens):
