@@ -85,6 +85,18 @@ def allowed_token_ids(tokenizer, words: Sequence[str], max_new_tokens: int = 2) 
     return sorted(ids)
 
 
+def env_tokenizer(cfg: TrainConfig, connection: "Connection | None"):
+    """A random-init policy's tokenizer, built from the training env's texts read through `connection`."""
+    from .model import build_tokenizer, corpus_from_envs
+    if connection is None:
+        raise ValueError("model.random_init builds its tokenizer from the env's texts: it needs a connection")
+    client = connection.sync_client()
+    try:
+        return build_tokenizer(corpus_from_envs(client, (cfg.env.env_id,)))
+    finally:
+        client.close()
+
+
 def build_policy_model(cfg: TrainConfig, device: str, connection: "Connection | None" = None):
     """(model, tokenizer): the configured pretrained model, or with model.random_init a random-weight
     one whose tokenizer is built from the training env's texts, read through `connection`."""
@@ -93,14 +105,8 @@ def build_policy_model(cfg: TrainConfig, device: str, connection: "Connection | 
     if not m.random_init:
         model, tok = load_pretrained(m.path, device, m.dtype, m.gguf_file)
     else:
-        from .model import build_small_model, build_tokenizer, corpus_from_envs
-        if connection is None:
-            raise ValueError("model.random_init builds its tokenizer from the env's texts: it needs a connection")
-        client = connection.sync_client()
-        try:
-            tok = build_tokenizer(corpus_from_envs(client, (cfg.env.env_id,)))
-        finally:
-            client.close()
+        from .model import build_small_model
+        tok = env_tokenizer(cfg, connection)
         model = build_small_model(tok, m.random_init, seed=m.seed).to(device)
     train_top_layers(model, m.trainable_layers)
     return model, tok
@@ -115,15 +121,7 @@ def build_vision_policy_model(cfg: TrainConfig, device: str, connection: "Connec
     if not m.random_init:
         model, processor = load_vlm(m.path, device)
     else:
-        from .model import build_tokenizer, corpus_from_envs
-        if connection is None:
-            raise ValueError("model.random_init builds its tokenizer from the env's texts: it needs a connection")
-        client = connection.sync_client()
-        try:
-            tok = build_tokenizer(corpus_from_envs(client, (cfg.env.env_id,)))
-        finally:
-            client.close()
-        model, processor = build_vlm(m.vision, tok, m.random_init, seed=m.seed)
+        model, processor = build_vlm(m.vision, env_tokenizer(cfg, connection), m.random_init, seed=m.seed)
         model = model.to(device)
     train_top_layers(model, m.trainable_layers)
     return model, processor

@@ -191,6 +191,16 @@ def row_seed(seed: int, row: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+def batch_seeds(batch: int, seed: int | None, row_seeds: Sequence[int] | None) -> list[int]:
+    """Each row's seed: its own given one, else one derived from `seed` (random when None) and the row."""
+    if row_seeds is not None:
+        if len(row_seeds) != batch:
+            raise ValueError(f"{batch} prompts but {len(row_seeds)} row seeds")
+        return [int(s) for s in row_seeds]
+    base_seed = secrets.randbits(63) if seed is None else int(seed)
+    return [row_seed(base_seed, i) for i in range(batch)]
+
+
 def nucleus(logp: torch.Tensor, top_p: float) -> torch.Tensor:
     """Log-probabilities restricted to the top-p nucleus (the fewest most likely tokens whose mass
     reaches top_p; the most likely token always stays) and renormalised; -inf outside."""
@@ -269,17 +279,8 @@ class HFPolicy(ChatFromIds):
         batch = len(prompt_ids)
         if batch == 0:
             return []
-        if row_seeds is not None:
-            if len(row_seeds) != batch:
-                raise ValueError(f"{batch} prompts but {len(row_seeds)} row seeds")
-            seeds = [int(s) for s in row_seeds]
-        else:
-            base_seed = secrets.randbits(63) if seed is None else int(seed)
-            seeds = [row_seed(base_seed, i) for i in range(batch)]
+        seeds = batch_seeds(batch, seed, row_seeds)
         generators = [torch.Generator().manual_seed(s) for s in seeds]
-        tokens: list[list[int]] = [[] for _ in range(batch)]
-        logps: list[list[float]] = [[] for _ in range(batch)]
-        finish: list[str | None] = [None] * batch
 
         shared = shared_prefix_length(prompt_ids) if self.share_prefix else 0
         ids, mask = left_pad([p[shared:] for p in prompt_ids], self.pad_token_id)
@@ -291,37 +292,11 @@ class HFPolicy(ChatFromIds):
             cache = prefix_cache(model, prompt_ids[0][:shared], batch)
             out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
                         logits_to_keep=1)
-            next_pos = pos[:, -1:] + 1
-            for step in range(max_new_tokens):
-                active = [i for i in range(batch) if finish[i] is None]
-                chosen = self._choose(restrict(out.logits[:, -1].float(), self.allowed), temperature, top_p,
-                                      generators, active)
-                for i, (token, lp) in chosen.items():
-                    tokens[i].append(token)
-                    logps[i].append(lp)
-                    if token == self.eos_token_id:
-                        finish[i] = FINISH_STOP
-                if all(f is not None for f in finish) or step == max_new_tokens - 1:
-                    break
-                # Finished rows are fed a pad; their outputs are never read again.
-                feed = torch.tensor([[tokens[i][-1] if finish[i] is None else self.pad_token_id]
-                                     for i in range(batch)], dtype=torch.long, device=self.device)
-                mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=self.device)], 1)
-                out = model(input_ids=feed, attention_mask=mask, position_ids=next_pos,
-                            past_key_values=out.past_key_values, use_cache=True)
-                next_pos = next_pos + 1
+            tokens, logps, finish = decode(model, out, mask, pos[:, -1:] + 1, max_new_tokens, temperature, top_p,
+                                           generators, self.allowed, self.eos_token_id, self.pad_token_id)
         finally:
             model.train(was_training)
-
-        results = []
-        for i in range(batch):
-            reason = finish[i] or FINISH_LENGTH
-            shown = tokens[i][:-1] if reason == FINISH_STOP else tokens[i]
-            results.append(Generation(
-                text=self.tokenizer.decode(shown, skip_special_tokens=True),
-                prompt_token_ids=list(prompt_ids[i]), completion_token_ids=tokens[i],
-                completion_logprobs=logps[i], finish_reason=reason, extra={"seed": seeds[i]}))
-        return results
+        return generations(self.tokenizer, prompt_ids, tokens, logps, finish, [{"seed": s} for s in seeds])
 
     @staticmethod
     def _choose(logits: torch.Tensor, temperature: float, top_p: float, generators: list[torch.Generator],
@@ -362,6 +337,49 @@ class HFPolicy(ChatFromIds):
 
     def close(self) -> None:
         self.model = None
+
+
+def decode(model, out, mask: torch.Tensor, next_pos: torch.Tensor, max_new_tokens: int, temperature: float,
+           top_p: float, generators: list[torch.Generator], allowed: torch.Tensor | None, eos_token_id: int,
+           pad_token_id: int) -> tuple[list[list[int]], list[list[float]], list[str | None]]:
+    """(tokens, log-probabilities, finish reasons) per row, sampled from the prefill's output `out`
+    onward with its cache; `next_pos` [B, 1] is each row's first completion position (text positions
+    only from there on)."""
+    batch, device = mask.shape[0], mask.device
+    tokens: list[list[int]] = [[] for _ in range(batch)]
+    logps: list[list[float]] = [[] for _ in range(batch)]
+    finish: list[str | None] = [None] * batch
+    for step in range(max_new_tokens):
+        active = [i for i in range(batch) if finish[i] is None]
+        chosen = HFPolicy._choose(restrict(out.logits[:, -1].float(), allowed), temperature, top_p, generators, active)
+        for i, (token, lp) in chosen.items():
+            tokens[i].append(token)
+            logps[i].append(lp)
+            if token == eos_token_id:
+                finish[i] = FINISH_STOP
+        if all(f is not None for f in finish) or step == max_new_tokens - 1:
+            break
+        # Finished rows are fed a pad; their outputs are never read again.
+        feed = torch.tensor([[tokens[i][-1] if finish[i] is None else pad_token_id] for i in range(batch)],
+                            dtype=torch.long, device=device)
+        mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=device)], 1)
+        out = model(input_ids=feed, attention_mask=mask, position_ids=next_pos,
+                    past_key_values=out.past_key_values, use_cache=True)
+        next_pos = next_pos + 1
+    return tokens, logps, finish
+
+
+def generations(tokenizer, prompt_ids: Sequence[Sequence[int]], tokens: list[list[int]], logps: list[list[float]],
+                finish: list[str | None], extras: Sequence[dict]) -> list[Generation]:
+    """The Generation of each row: the text decoded without its stop token."""
+    results = []
+    for i in range(len(tokens)):
+        reason = finish[i] or FINISH_LENGTH
+        shown = tokens[i][:-1] if reason == FINISH_STOP else tokens[i]
+        results.append(Generation(
+            text=tokenizer.decode(shown, skip_special_tokens=True), prompt_token_ids=list(prompt_ids[i]),
+            completion_token_ids=tokens[i], completion_logprobs=logps[i], finish_reason=reason, extra=dict(extras[i])))
+    return results
 
 
 def _is_vision_folder(path: Path) -> bool:

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import io
 import os
-import secrets
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
@@ -39,8 +37,9 @@ import torch
 if TYPE_CHECKING:
     from PIL import Image
 
-from .base import FINISH_LENGTH, FINISH_STOP, Generation, Weights, check_ids_request
-from .hf import HFPolicy, left_pad, positions, restrict, row_seed, scoring_layout, vocabulary_mask
+from .base import Generation, Weights, check_ids_request
+from .hf import (HFPolicy, batch_seeds, decode, generations, left_pad, positions, restrict, scoring_layout,
+                 vocabulary_mask)
 
 ChatMessage = Mapping[str, Any]     # {"role": ..., "content": str | list of blocks}
 
@@ -367,17 +366,8 @@ class HFVisionPolicy:
             images = [[] for _ in range(batch)]
         if len(images) != batch:
             raise ValueError(f"{batch} prompts but image lists for {len(images)}")
-        if row_seeds is not None:
-            if len(row_seeds) != batch:
-                raise ValueError(f"{batch} prompts but {len(row_seeds)} row seeds")
-            seeds = [int(s) for s in row_seeds]
-        else:
-            base_seed = secrets.randbits(63) if seed is None else int(seed)
-            seeds = [row_seed(base_seed, i) for i in range(batch)]
+        seeds = batch_seeds(batch, seed, row_seeds)
         generators = [torch.Generator().manual_seed(s) for s in seeds]
-        tokens: list[list[int]] = [[] for _ in range(batch)]
-        logps: list[list[float]] = [[] for _ in range(batch)]
-        finish: list[str | None] = [None] * batch
 
         # Checked (and decoded) before the model runs: a bad image fails the call, not a forward pass.
         vision = self.codec.model_inputs(images, self.device, prompt_ids=prompt_ids)
@@ -388,40 +378,15 @@ class HFVisionPolicy:
         try:
             prefill = forward_kwargs(self.codec, ids, mask, vision)
             out = model(**prefill, use_cache=True, logits_to_keep=1)
-            next_pos = self._next_positions(model, mask, prefill)
-            for step in range(max_new_tokens):
-                active = [i for i in range(batch) if finish[i] is None]
-                chosen = HFPolicy._choose(restrict(out.logits[:, -1].float(), self.allowed), temperature, top_p,
-                                          generators, active)
-                for i, (token, lp) in chosen.items():
-                    tokens[i].append(token)
-                    logps[i].append(lp)
-                    if token == self.eos_token_id:
-                        finish[i] = FINISH_STOP
-                if all(f is not None for f in finish) or step == max_new_tokens - 1:
-                    break
-                # Finished rows are fed a pad; their outputs are never read again.
-                feed = torch.tensor([[tokens[i][-1] if finish[i] is None else self.pad_token_id]
-                                     for i in range(batch)], dtype=torch.long, device=self.device)
-                mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=self.device)], 1)
-                # Text positions only from here on (explicit: Qwen2-VL's own continuation from a cache
-                # spans the whole mask, not the new token).
-                out = model(input_ids=feed, attention_mask=mask, position_ids=next_pos,
-                            past_key_values=out.past_key_values, use_cache=True)
-                next_pos = next_pos + 1
+            # Text positions only after the prefill (explicit: Qwen2-VL's own continuation from a
+            # cache spans the whole mask, not the new token).
+            tokens, logps, finish = decode(model, out, mask, self._next_positions(model, mask, prefill),
+                                           max_new_tokens, temperature, top_p, generators, self.allowed,
+                                           self.eos_token_id, self.pad_token_id)
         finally:
             model.train(was_training)
-
-        results = []
-        for i in range(batch):
-            reason = finish[i] or FINISH_LENGTH
-            shown = tokens[i][:-1] if reason == FINISH_STOP else tokens[i]
-            results.append(Generation(
-                text=self.tokenizer.decode(shown, skip_special_tokens=True),
-                prompt_token_ids=list(prompt_ids[i]), completion_token_ids=tokens[i],
-                completion_logprobs=logps[i], finish_reason=reason,
-                extra={"seed": seeds[i], "images": len(images[i])}))
-        return results
+        return generations(self.tokenizer, prompt_ids, tokens, logps, finish,
+                           [{"seed": seed, "images": len(row)} for seed, row in zip(seeds, images)])
 
     def _next_positions(self, model, mask: torch.Tensor, prefill: Mapping[str, Any]) -> torch.Tensor:
         """[B, 1] position of each row's first completion token."""
@@ -435,10 +400,7 @@ class HFVisionPolicy:
     def update_weights(self, weights: Weights) -> None:
         """Copy in a state dict, a model's weights, or the weights saved at a path (a save_pretrained
         folder of a vision-language model, or a weights file)."""
-        if isinstance(weights, (str, os.PathLike)) and Path(weights).is_dir():
-            from transformers import AutoModelForImageTextToText
-            weights = AutoModelForImageTextToText.from_pretrained(Path(weights), local_files_only=True).state_dict()
-        HFPolicy.update_weights(self, weights)
+        HFPolicy.update_weights(self, weights)   # hf._load_state reads a VLM's folder too
 
     def close(self) -> None:
         self.model = None
