@@ -169,7 +169,16 @@ def sequence_logprobs(model, prompt_ids: Sequence[Sequence[int]], completion_ids
     # completion token, and the last completion token predicts nothing we score.
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)[:, shared:],
                 past_key_values=cache, use_cache=cache is not None, logits_to_keep=width + 1)
-    logits = out.logits[:, :-1].float()
+    return completion_logprobs(out.logits, ids, completion_mask, temperature, allowed, return_entropy)
+
+
+def completion_logprobs(logits: torch.Tensor, ids: torch.Tensor, completion_mask: torch.Tensor, temperature: float,
+                        allowed: torch.Tensor | None, return_entropy: bool):
+    """(logprobs, mask[, entropy]) of the last C tokens of `ids` from the logits of the C + 1
+    positions before them (C = completion_mask's width), under softmax(logits / temperature) over
+    the `allowed` vocabulary; 0 past each row's end."""
+    width = completion_mask.shape[1]
+    logits = logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature
     logits = restrict(logits, allowed)

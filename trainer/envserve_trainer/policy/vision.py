@@ -38,8 +38,8 @@ if TYPE_CHECKING:
     from PIL import Image
 
 from .base import Generation, Weights, check_ids_request
-from .hf import (HFPolicy, batch_seeds, decode, generations, left_pad, positions, restrict, scoring_layout,
-                 vocabulary_mask)
+from .hf import (HFPolicy, batch_seeds, completion_logprobs, decode, generations, left_pad, positions,
+                 scoring_layout, vocabulary_mask)
 
 ChatMessage = Mapping[str, Any]     # {"role": ..., "content": str | list of blocks}
 
@@ -297,19 +297,8 @@ def vision_sequence_logprobs(model, codec: VisionCodec, prompt_ids: Sequence[Seq
     ids, mask, completion_mask = scoring_layout(prompt_ids, completion_ids, _pad_id(codec, pad_token_id), device)
     vision = codec.model_inputs(images, device, prompt_ids=prompt_ids)
     out = model(**forward_kwargs(codec, ids, mask, vision), use_cache=False, logits_to_keep=width + 1)
-    logits = out.logits[:, :-1].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logits = restrict(logits, codec.sampling_mask(allowed, logits.shape[-1]))
-    targets = ids[:, -width:]
-    all_logp = torch.log_softmax(logits, -1)
-    logp = all_logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    keep = completion_mask.bool()
-    if not return_entropy:
-        return logp.masked_fill(~keep, 0.0), keep
-    p = all_logp.exp()
-    entropy = -(p * all_logp.masked_fill(p == 0, 0.0)).sum(-1)
-    return logp.masked_fill(~keep, 0.0), keep, entropy.masked_fill(~keep, 0.0)
+    return completion_logprobs(out.logits, ids, completion_mask, temperature,
+                               codec.sampling_mask(allowed, out.logits.shape[-1]), return_entropy)
 
 
 class HFVisionPolicy:
