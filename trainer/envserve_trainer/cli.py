@@ -53,7 +53,8 @@ def _service(p: argparse.ArgumentParser) -> None:
     p.add_argument("--env-address", default=os.environ.get("ENVSERVE_ADDRESS", ""),
                    help="one env replica, HOST:PORT (env ENVSERVE_ADDRESS)")
     p.add_argument("--directory", default=os.environ.get("ENVSERVE_DIRECTORY", ""),
-                   help="the Redis directory of replicas, redis://HOST:PORT/DB (env ENVSERVE_DIRECTORY)")
+                   help="the replicas to spread over: a Redis directory redis://HOST:PORT/DB, or fixed "
+                        "addresses HOST:PORT,HOST:PORT (env ENVSERVE_DIRECTORY)")
     p.add_argument("--token", default=None, help="bearer token for the services (env ENVSERVE_TOKEN)")
 
 
