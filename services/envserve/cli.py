@@ -91,11 +91,16 @@ def cmd_health(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from envserve.core.registry import env_ids
+    from envserve.core.registry import UnknownEnvironment, get_env_class
     from envserve.server.app import run
-    unknown = sorted(set(args.envs) - set(env_ids()))
-    if unknown:
-        print(f"unknown environment(s) {unknown}; registered: {env_ids()}", file=sys.stderr)
+    problems = []
+    for e in args.envs:
+        try:
+            get_env_class(e)  # a prefix id (gymnasium:CartPole-v1) is built here to find out
+        except UnknownEnvironment as err:
+            problems.append(str(err))
+    if problems:
+        print("\n".join(problems), file=sys.stderr)
         return 2
     run(_config(args, args.envs), openenv_endpoint=_openenv_endpoint(args))
     return 0
@@ -212,10 +217,15 @@ def cmd_ls(args) -> int:
             print(f"{s.env_id:16s} {','.join(s.modalities):11s} max_turns={s.max_turns:<3d} "
                   f"actions/turn={s.max_actions_per_turn}  {s.description}")
         return 0
-    from envserve.core.registry import env_ids, get_env_class
+    from envserve.core.registry import env_ids, get_env_class, prefix_examples, prefixes
     for e in env_ids():
         spec = get_env_class(e).spec
         print(f"{e:16s} {','.join(spec.modalities):11s} {spec.description}")
+    # Prefix families serve open-ended ids: their description and the ids they can serve here.
+    for prefix, family in sorted(prefixes().items()):
+        print(f"{prefix + ':<id>':16s} {'':11s} {family.description}")
+        for e in prefix_examples(prefix):
+            print(f"  {e:30s} {','.join(get_env_class(e).spec.modalities)}")
     return 0
 
 
@@ -333,8 +343,8 @@ def _truth_client(env_id: str, address: str, token_file: str = "", state_token_f
                        root_certificates=tls_ca or None) as client:
             yield client
         return
-    from envserve.core.registry import env_ids
-    if env_id not in env_ids():
+    from envserve.core.registry import env_ids, is_known
+    if not is_known(env_id):
         raise _CliError(f"unknown environment {env_id!r}; registered here: {env_ids()} (or give a replica's address)")
     with _embedded_server([env_id]) as local, EnvClient(local) as client:
         yield client

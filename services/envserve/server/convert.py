@@ -67,7 +67,7 @@ def spec_to_proto(spec: EnvSpec) -> pb.EnvSpec:
         modalities=list(spec.modalities), config_schema_json=json.dumps(spec.config_schema()),
         splits=[pb.Split(name=s.name, description=s.description) for s in spec.splits],
         action_space=spec.action_space, supports_snapshot=spec.supports_snapshot,
-        replay_exact=spec.replay_exact,
+        replay_exact=spec.replay_exact, seed_varies_start=spec.seed_varies_start,
     )
 
 

@@ -11,7 +11,7 @@ import grpc
 from google.protobuf import json_format
 
 from envserve.core.env import resolve_config
-from envserve.core.registry import get_env_class
+from envserve.core.registry import UnknownEnvironment, get_env_class, prefix_of
 from envserve.core.session import full_spec
 from envserve.rpc.auth import Authenticator, Denied
 from envserve.rpc.values import code_number
@@ -262,6 +262,12 @@ class Replica:
             raise Refused(grpc.StatusCode.UNAVAILABLE, "replica is draining; open sessions elsewhere")
         spec = self.specs.get(env_id)
         if spec is None:
+            # An id of a served prefix family that the family cannot build is the caller's mistake.
+            if any(prefix_of(e) and prefix_of(e) == prefix_of(env_id) for e in self.env_ids):
+                try:
+                    get_env_class(env_id)
+                except UnknownEnvironment as e:
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
             raise Refused(grpc.StatusCode.NOT_FOUND, f"env {env_id!r} is not served here; served: {self.env_ids}")
         count = count or 1
         if count < 0 or count > self.config.max_open_per_call:

@@ -24,7 +24,7 @@ class Split(_message.Message):
     def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ...) -> None: ...
 
 class EnvSpec(_message.Message):
-    __slots__ = ("env_id", "description", "system_prompt", "default_action_format", "action_formats", "max_turns", "max_actions_per_turn", "modalities", "config_schema_json", "splits", "action_space", "supports_snapshot", "replay_exact")
+    __slots__ = ("env_id", "description", "system_prompt", "default_action_format", "action_formats", "max_turns", "max_actions_per_turn", "modalities", "config_schema_json", "splits", "action_space", "supports_snapshot", "replay_exact", "seed_varies_start")
     ENV_ID_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class EnvSpec(_message.Message):
     ACTION_SPACE_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     REPLAY_EXACT_FIELD_NUMBER: _ClassVar[int]
+    SEED_VARIES_START_FIELD_NUMBER: _ClassVar[int]
     env_id: str
     description: str
     system_prompt: str
@@ -51,7 +52,8 @@ class EnvSpec(_message.Message):
     action_space: str
     supports_snapshot: bool
     replay_exact: bool
-    def __init__(self, env_id: _Optional[str] = ..., description: _Optional[str] = ..., system_prompt: _Optional[str] = ..., default_action_format: _Optional[str] = ..., action_formats: _Optional[_Iterable[str]] = ..., max_turns: _Optional[int] = ..., max_actions_per_turn: _Optional[int] = ..., modalities: _Optional[_Iterable[str]] = ..., config_schema_json: _Optional[str] = ..., splits: _Optional[_Iterable[_Union[Split, _Mapping]]] = ..., action_space: _Optional[str] = ..., supports_snapshot: _Optional[bool] = ..., replay_exact: _Optional[bool] = ...) -> None: ...
+    seed_varies_start: bool
+    def __init__(self, env_id: _Optional[str] = ..., description: _Optional[str] = ..., system_prompt: _Optional[str] = ..., default_action_format: _Optional[str] = ..., action_formats: _Optional[_Iterable[str]] = ..., max_turns: _Optional[int] = ..., max_actions_per_turn: _Optional[int] = ..., modalities: _Optional[_Iterable[str]] = ..., config_schema_json: _Optional[str] = ..., splits: _Optional[_Iterable[_Union[Split, _Mapping]]] = ..., action_space: _Optional[str] = ..., supports_snapshot: _Optional[bool] = ..., replay_exact: _Optional[bool] = ..., seed_varies_start: _Optional[bool] = ...) -> None: ...
 
 class ListEnvsRequest(_message.Message):
     __slots__ = ()
