@@ -26,3 +26,7 @@ if find_spec("bm25s") and find_spec("rapidfuzz") and find_spec("en_core_web_sm_v
 if find_spec("gymnasium"):
     register_prefix("gymnasium", "envserve.envs.gymnasium:make_env_class", "envserve.envs.gymnasium:examples",
                     "any environment in gymnasium's registry, e.g. gymnasium:CartPole-v1")
+# reasoning-gym's procedural datasets as reasoning_gym:<dataset> (envserve[reasoning_gym]).
+if find_spec("reasoning_gym"):
+    register_prefix("reasoning_gym", "envserve.envs.reasoning_gym:make_env_class", "envserve.envs.reasoning_gym:examples",
+                    "reasoning-gym's procedural datasets, one question per episode, e.g. reasoning_gym:leg_counting")
