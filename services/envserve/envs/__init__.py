@@ -30,3 +30,8 @@ if find_spec("gymnasium"):
 if find_spec("reasoning_gym"):
     register_prefix("reasoning_gym", "envserve.envs.reasoning_gym:make_env_class", "envserve.envs.reasoning_gym:examples",
                     "reasoning-gym's procedural datasets, one question per episode, e.g. reasoning_gym:leg_counting")
+# Environments written as OpenEnv Environment classes, imported from the user's module and served
+# unchanged, as openenv:<module>:<Class> (envserve[openenv]).
+if find_spec("openenv"):
+    register_prefix("openenv", "envserve.envs.openenv:make_env_class", None,
+                    "an OpenEnv Environment subclass imported from your module, e.g. openenv:my_envs.echo:EchoEnvironment")
