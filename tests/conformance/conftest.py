@@ -13,8 +13,23 @@ def conformance_envs() -> list[str]:
     if os.environ.get("ENVSERVE_CONFORMANCE_ENVS"):
         return os.environ["ENVSERVE_CONFORMANCE_ENVS"].split(",")
     from envserve.core.registry import env_ids, prefix_examples, prefixes
-    # Prefix families (gymnasium:<id>) are held to the contract on the ids they say they serve here.
-    return env_ids() + [e for p in sorted(prefixes()) for e in prefix_examples(p)]
+    # Prefix families (gymnasium:<id>) are held to the contract on the ids they say they serve here;
+    # openenv:<module>:<Class> serves the user's classes, so it is held to it on the test package's.
+    return env_ids() + [e for p in sorted(prefixes()) for e in prefix_examples(p)] + openenv_test_envs()
+
+
+def openenv_test_envs() -> list[str]:
+    from envserve.core.registry import prefixes
+    if "openenv" not in prefixes():
+        return []
+    import openenv_envs
+    return list(openenv_envs.ALL)
+
+
+def server_env_vars() -> dict:
+    # The servers import the test package's OpenEnv classes, so tests/ goes on their path.
+    import openenv_envs
+    return openenv_envs.on_path()
 
 
 # `serve --inline` steps sessions in the front process; it is meant for the microsecond grid
@@ -42,7 +57,8 @@ def conformance_addresses(serving_mode):
         envs = [e for e in conformance_envs() if e in INLINE_ENVS]
         servers = [ServerProcess(envs, metrics=False, extra=["--inline"]) for _ in range(2)]
     else:
-        servers = [ServerProcess(conformance_envs(), workers=1, metrics=False) for _ in range(2)]
+        servers = [ServerProcess(conformance_envs(), workers=1, metrics=False, env_vars=server_env_vars())
+                   for _ in range(2)]
     try:
         yield [s.address for s in servers]
     finally:
