@@ -5,6 +5,8 @@ ECHO = "openenv:openenv_envs.echo:EchoEnvironment"
 GUESS = "openenv:openenv_envs.guess:GuessEnvironment"
 GRID = "openenv:openenv_envs.grid:GridEnvironment"
 ALL = (ECHO, GUESS, GRID)
+# One that cannot be copied (forks replay it), kept out of ALL's examples.
+LOCKED = "openenv:openenv_envs.locked:LockedCounterEnvironment"
 
 
 def on_path() -> dict:
