@@ -174,6 +174,7 @@ async def judge_trials(judge, trials: Sequence[Trial], env_id: str) -> int:
             if r.status.code == 0 and r.key in where:
                 turn, field = where[r.key]
                 turn.judge_scores[field] = float(r.score)
+                turn.judge_verdicts[field] = bool(r.verdict)
                 scored += 1
     return scored
 
