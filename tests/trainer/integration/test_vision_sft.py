@@ -104,6 +104,13 @@ def test_sft_on_image_demonstrations_lowers_the_loss(grid_server, vlm_demos, tmp
     model, processor = load_vlm(tmp_path / f"checkpoint-{trainer.total_steps}" / "policy")
     assert weights_digest(model) == weights_digest(trainer.model)
     assert processor.tokenizer.get_vocab() == trainer.tokenizer.get_vocab()
+    # `envserve-train eval --checkpoint` plays it through the service, pictures in its prompts.
+    import asyncio
+    from envserve_trainer.train import evaluate_checkpoint
+    cfg = _cfg(env={"eval_tasks": 2}, rollout={"max_turns": 2, "max_new_tokens": 8})
+    summary = asyncio.run(evaluate_checkpoint(cfg, tmp_path / f"checkpoint-{trainer.total_steps}",
+                                              Connection(env_address=grid_server.address)))
+    assert summary["held_out"]["overall"]["episodes"] == 2
 
 
 def test_sft_on_image_demonstrations_resumes_exactly(grid_server, vlm_demos, tmp_path):
