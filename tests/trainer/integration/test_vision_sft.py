@@ -153,3 +153,23 @@ def test_a_missing_or_corrupt_picture_is_an_error_naming_its_line(vlm_demos, tmp
     text = _rewrite(path, tmp_path / "text.jsonl", lambda r: r["turns"][0].update(images=["not base64!"]))
     with pytest.raises(ValueError, match=r"text.jsonl:2: turns\[0\].images\[0\] is not a readable PNG"):
         read_demos([text])
+
+
+def test_cli_collects_pictured_demonstrations_for_a_saved_vlm(grid_server, tmp_path, capsys):
+    from envserve_trainer.cli import main
+    from envserve_trainer.vision_model import build_vlm
+    model, processor = build_vlm("qwen2_vl", seed=2)
+    folder = tmp_path / "vlm"
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    data = json.loads(json.dumps(CONFIG))
+    data["model"] = {"path": str(folder), "vision": "qwen2_vl"}
+    cfg_file = tmp_path / "cfg.json"
+    cfg_file.write_text(json.dumps(data))
+    out = tmp_path / "demos.jsonl"
+    assert main(["collect", "--config", str(cfg_file), "--env-address", grid_server.address, "--out", str(out),
+                 "--episodes", "2"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["episodes"] == 2
+    for rec in load_records(out):
+        assert rec["vision"] == "qwen2_vl" and all(turn_images(t) for t in rec["turns"])
+        assert all(s["image_refs"] and processor.image_token_id in s["prompt_ids"] for s in rec["samples"])
