@@ -317,12 +317,23 @@ class SFTTrainer:
         total_tokens = sum(self._answer_tokens(seq) for seq in batch)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, rows_n = 0.0, 0
-        if self.codec is not None:
-            loss_sum, rows_n = self._vision_backward(batch, total_tokens)
+        backward = self._vision_backward if self.codec is not None else self._packed_backward
+        loss_sum, rows_n = backward(batch, total_tokens)
+        norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None],
+                                              s.max_grad_norm)
+        self.optimizer.step()
+        self.model.eval()
+        return {"loss": loss_sum / max(total_tokens, 1), "lr": lr, "grad_norm": float(norm),
+                "answer_tokens": float(total_tokens), "sequences": float(len(batch)), "rows": float(rows_n)}
+
+    def _packed_backward(self, batch: Sequence[SFTSequence], total_tokens: int) -> tuple[float, int]:
+        """Backward of the summed answer-token cross-entropy over `batch` (divided by `total_tokens`),
+        each group's sequences packed after its shared prefix; returns (the summed loss, packed rows)."""
+        s = self.cfg.sft
         groups: dict[str, list[SFTSequence]] = {}
-        for seq in batch if self.codec is None else []:
+        for seq in batch:
             groups.setdefault(seq.group, []).append(seq)
+        loss_sum, rows_n = 0.0, 0
         for g, members in groups.items():
             prefix = self.prefixes[g]
             rows = pack(members, len(prefix), s.pack_length)
@@ -331,12 +342,7 @@ class SFTTrainer:
                 part, n = packed_loss_sum(self.model, rows[i:i + s.micro_batch_rows], prefix, self.pad_id)
                 (part / max(total_tokens, 1)).backward()
                 loss_sum += float(part.detach())
-        norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None],
-                                              s.max_grad_norm)
-        self.optimizer.step()
-        self.model.eval()
-        return {"loss": loss_sum / max(total_tokens, 1), "lr": lr, "grad_norm": float(norm),
-                "answer_tokens": float(total_tokens), "sequences": float(len(batch)), "rows": float(rows_n)}
+        return loss_sum, rows_n
 
     def _vision_backward(self, batch: Sequence[VisionSample], total_tokens: int) -> tuple[float, int]:
         """Backward of the summed answer-token cross-entropy over `batch` (divided by `total_tokens`),
