@@ -28,7 +28,7 @@ export VK_ICD_FILENAMES := $(abspath $(LAVAPIPE))/lvp_icd.json
 VULKAN_DRIVER = $(LAVAPIPE)/lvp_icd.json
 endif
 
-.PHONY: run test test-contention install wheels docs proto bench bench-visual bench-judge learn learn-scratch test-vllm test-verl clean
+.PHONY: run test test-contention install wheels docs proto bench bench-visual bench-judge learn learn-vlm learn-scratch test-vllm test-verl clean
 
 $(VENV)/.installed: pyproject.toml trainer/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -100,6 +100,11 @@ bench-judge: install
 # through a real replica, on a CPU (README, Training).
 learn: install
 	$(PY) bench/learn_pretrained.py --output-dir runs/learn-pretrained --json
+
+# A small random-weight Qwen2-VL in VAGEN's visual setting (image-only FrozenLake 4x4, the judge's rewards):
+# base -> SFT on expert demonstrations with their pictures -> RL, two RL seeds, on a CPU (docs/trainer.md).
+learn-vlm: install
+	$(PY) bench/learn_vlm.py --output-dir runs/learn-vlm --json
 
 # GRPO from random init (the tiny model) on FrozenLake 4x4 (README, Training).
 learn-scratch: install

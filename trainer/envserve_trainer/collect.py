@@ -12,22 +12,33 @@ From `turns`, SFT can rebuild the samples for another tokenizer or template.
 One line:
   env_id, seed, split, action_format, env_config (as the sessions were opened), expert, success,
   score, turn_limited, guesses, system_prompt, admissible_actions, final_observation,
-  turns: [{turn, observation (what the agent saw), answer (the full text sent), actions (parsed),
-           reward, reward_components, anchor (after the step), state_anchor (the state acted in),
-           transition, valid, done, truncated, success, feedback, reasoning (the parsed fields),
+  turns: [{turn, observation (what the agent saw), images (the observation's PNGs, base64; only
+           when the session sends pictures, e.g. render_image), answer (the full text sent), actions
+           (parsed), reward, reward_components, anchor (after the step), state_anchor (the state acted
+           in), transition, valid, done, truncated, success, feedback, reasoning (the parsed fields),
            move (plan|continue|explore|reflect), guessed}],
   messages: [{role, content}] (system, then user/assistant per turn, as the template words them),
-  samples: [{prompt_ids, completion_ids}] (completion = answer minus prefix/suffix, then eos),
+  samples: [{prompt_ids, completion_ids}] (completion = answer minus prefix/suffix, then eos); for a
+           vision-language model also image_refs: [[turn, k], ...], the turns' images its prompt holds,
   tokenizer (pretrained.tokenizer_id), tokenizer_source, template, history_turns,
-  response_prefix, response_suffix.
+  response_prefix, response_suffix; for a vision-language model also vision (its architecture) and
+  max_images.
+
+Images are inline base64, one field per turn, rather than sidecar files: a line stays a whole
+episode, so files can be appended to, split, concatenated and moved without losing pictures, and a
+grid env's PNG is a few hundred bytes. The samples point at the turns' images instead of repeating
+them.
 """
 from __future__ import annotations
 
 import argparse
+import base64
+import binascii
+import io
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -46,6 +57,29 @@ class ReplayedTurn:
     user_text: str            # the user message the template builds from the observation
     prompt_ids: list[int]     # the whole context, ending with the assistant header (and prefix)
     completion_ids: list[int]  # the answer's tokens the policy would produce, then eos
+    images: list[bytes] = field(default_factory=list)   # the PNGs prompt_ids holds, in order (a VLM's)
+    image_refs: list[tuple[int, int]] = field(default_factory=list)   # (turn index, image index) of each
+
+
+def encode_png(data: bytes) -> str:
+    return base64.b64encode(bytes(data)).decode("ascii")
+
+
+def turn_images(turn: Mapping[str, Any]) -> list[bytes]:
+    """The PNG bytes of a recorded turn's observation (none when the session sent no picture)."""
+    return [base64.b64decode(s, validate=True) for s in turn.get("images") or []]
+
+
+def check_png(data: bytes) -> None:
+    """ValueError unless `data` is a PNG that decodes whole."""
+    from PIL import Image
+    if not data.startswith(b"\x89PNG\r\n\x1a\n"):
+        raise ValueError(f"not a PNG ({len(data)} bytes)")
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()
+    except Exception as e:  # noqa: BLE001 - PIL raises several types for damaged data
+        raise ValueError(f"a corrupt PNG ({len(data)} bytes): {e}") from None
 
 
 def completion_text(answer: str, prefix: str = "", suffix: str = "") -> str:
@@ -60,21 +94,32 @@ def replay_episode(layout: ChatLayout, record: Mapping[str, Any], cfg: TrainConf
     """The recorded turns through a ContextBuilder, step for step as RolloutEngine drives one
     (_act records the answer, _on_result adds the feedback and takes a <planning> text as the plan)."""
     ro = cfg.rollout
+    vision = layout.codec is not None
     builder = ContextBuilder(layout, record["system_prompt"], ro.template, ro.history_turns, ro.response_prefix,
-                             ro.response_suffix, record.get("admissible_actions", ""))
+                             ro.response_suffix, record.get("admissible_actions", ""),
+                             max_images=ro.max_images if vision else 0)
     builder.new_episode("")
+    image_only = bool((record.get("env_config") or {}).get("image_only"))
+    where: dict[bytes, tuple[int, int]] = {}    # equal PNGs are interchangeable: the first one stands for all
     out = []
-    for t in record["turns"]:
+    for i, t in enumerate(record["turns"]):
         user_text = builder.user_text(t["observation"], t["turn"])
-        prompt_ids, user_ids = builder.prompt_ids(t["observation"], t["turn"])
+        # As in the rollout: a vision-language policy reads the pictures, a text policy the text alone.
+        pngs = turn_images(t) if vision else []
+        if vision and image_only and not pngs:
+            raise ValueError(f"turn {i} of an image-only episode has no image")
+        for k, png in enumerate(pngs):
+            where.setdefault(png, (i, k))
+        prompt_ids, user_ids = builder.prompt_ids(t["observation"], t["turn"], pngs)
         completion = layout.text_ids(completion_text(t["answer"], ro.response_prefix, ro.response_suffix))
         completion.append(layout.stop_token_id)
-        builder.record(t["observation"], user_ids, completion, t["answer"])
+        builder.record(t["observation"], user_ids, completion, t["answer"], images=pngs)
         builder.history[-1].feedback = t.get("feedback", "")
         reasoning = t.get("reasoning") or {}
         if reasoning.get("meta_tag") == "planning":
             builder.plan = reasoning.get("planning", "") or builder.plan
-        out.append(ReplayedTurn(user_text, prompt_ids, completion))
+        images = list(builder.context_images) if vision else []
+        out.append(ReplayedTurn(user_text, prompt_ids, completion, images, [where[png] for png in images]))
     return out
 
 
@@ -83,6 +128,13 @@ def episode_samples(layout: ChatLayout, record: Mapping[str, Any],
     """(prompt ids, completion ids) per turn of a recorded episode, under `layout`'s tokenizer and
     `cfg.rollout`'s template, history window and response prefix/suffix."""
     return [(r.prompt_ids, r.completion_ids) for r in replay_episode(layout, record, cfg)]
+
+
+def episode_samples_with_images(layout: ChatLayout, record: Mapping[str, Any],
+                                cfg: TrainConfig) -> list[tuple[list[int], list[int], list[bytes]]]:
+    """episode_samples for a vision-language layout: (prompt ids, completion ids, the PNGs the prompt
+    holds, in order) per turn."""
+    return [(r.prompt_ids, r.completion_ids, r.images) for r in replay_episode(layout, record, cfg)]
 
 
 def episode_messages(record: Mapping[str, Any], replayed: Sequence[ReplayedTurn]) -> list[dict[str, str]]:
@@ -95,10 +147,14 @@ def episode_messages(record: Mapping[str, Any], replayed: Sequence[ReplayedTurn]
 def episode_record(episode, admissible_actions: str) -> dict[str, Any]:
     """The tokenizer-free part of a line, from an envserve.client.experts.ExpertEpisode."""
     turns = []
+    seen = episode.first      # the result whose observation the next turn answers
     for t in episode.turns:
         r = t.result
+        images = [encode_png(im.png) for im in seen.observation.images]
+        seen = r
         turns.append({
-            "turn": t.turn, "observation": t.observation, "answer": t.answer, "actions": list(r.parsed_actions),
+            "turn": t.turn, "observation": t.observation, **({"images": images} if images else {}),
+            "answer": t.answer, "actions": list(r.parsed_actions),
             "reward": float(r.reward), "reward_components": {k: float(v) for k, v in r.reward_components.items()},
             "anchor": r.anchor, "state_anchor": t.state_anchor, "transition": r.transition,
             "valid": bool(r.action_valid), "done": bool(r.done), "truncated": bool(r.truncated),
@@ -134,9 +190,10 @@ def task_seeds(cfg: TrainConfig, episodes: int | None = None, seed_start: int | 
 
 
 def collect(client, cfg: TrainConfig, tokenizer, out: str | os.PathLike, seeds: Sequence[int], expert: str = "",
-            batch_size: int = 32, append: bool = False, tokenizer_source: str = "") -> dict[str, Any]:
+            batch_size: int = 32, append: bool = False, tokenizer_source: str = "", codec=None) -> dict[str, Any]:
     """Plays the expert on `seeds` through `client` (EnvClient or RoutedClient) and writes one line per
-    episode to `out` as it ends. Returns a summary (episodes, successes, samples, seconds, demos/s)."""
+    episode to `out` as it ends. Returns a summary (episodes, successes, samples, seconds, demos/s).
+    `codec` (policy.vision.VisionCodec): the samples are a vision-language model's, images in place."""
     from envserve.client.experts import EXPERTS, expert_for, play_expert
 
     from .pretrained import tokenizer_id
@@ -145,8 +202,9 @@ def collect(client, cfg: TrainConfig, tokenizer, out: str | os.PathLike, seeds: 
     if expert and expert not in EXPERTS:
         raise ValueError(f"unknown expert {expert!r}; experts: {sorted(EXPERTS)}")
     cls = EXPERTS[expert] if expert else expert_for(env.env_id)
-    layout = ChatLayout(tokenizer)
+    layout = ChatLayout(tokenizer, codec)
     tok_id = tokenizer_id(tokenizer)
+    vision = {"vision": codec.arch, "max_images": ro.max_images} if codec is not None else {}
     admissible = client.get_spec(env.env_id).action_space
     path = Path(out)
     try:
@@ -161,9 +219,12 @@ def collect(client, cfg: TrainConfig, tokenizer, out: str | os.PathLike, seeds: 
         replayed = replay_episode(layout, record, cfg)
         record.update(
             messages=episode_messages(record, replayed),
-            samples=[{"prompt_ids": r.prompt_ids, "completion_ids": r.completion_ids} for r in replayed],
+            samples=[{"prompt_ids": r.prompt_ids, "completion_ids": r.completion_ids,
+                      **({"image_refs": [list(ref) for ref in r.image_refs]} if codec is not None else {})}
+                     for r in replayed],
             tokenizer=tok_id, tokenizer_source=tokenizer_source, template=ro.template,
-            history_turns=ro.history_turns, response_prefix=ro.response_prefix, response_suffix=ro.response_suffix)
+            history_turns=ro.history_turns, response_prefix=ro.response_prefix, response_suffix=ro.response_suffix,
+            **vision)
         f.write(json.dumps(record, ensure_ascii=False) + "\n")
         f.flush()
         stats["episodes"] += 1
@@ -194,8 +255,23 @@ def load_records(path: str | os.PathLike) -> list[dict[str, Any]]:
         missing += [f"turns[{i}].{k}" for i, t in enumerate(record.get("turns", [])) for k in TURN_KEYS if k not in t]
         if missing:
             raise ValueError(f"{path}:{n}: a demonstration lacks {', '.join(missing[:5])}")
+        _check_images(record, f"{path}:{n}")
         out.append(record)
     return out
+
+
+def _check_images(record: Mapping[str, Any], where: str) -> None:
+    """Every recorded picture decodes, and an image-only episode has one on every turn."""
+    image_only = bool((record.get("env_config") or {}).get("image_only"))
+    for i, t in enumerate(record["turns"]):
+        encoded = t.get("images") or []
+        if image_only and not encoded:
+            raise ValueError(f"{where}: turns[{i}] of an image-only episode has no image")
+        for k, text in enumerate(encoded):
+            try:
+                check_png(base64.b64decode(text, validate=True))
+            except (binascii.Error, TypeError, ValueError) as e:
+                raise ValueError(f"{where}: turns[{i}].images[{k}] is not a readable PNG: {e}") from None
 
 
 # -- the CLI ---------------------------------------------------------------------------------------------
@@ -234,15 +310,24 @@ def run_collect(args) -> int:
     source = args.tokenizer or model.path
     if args.batch_size < 1:
         raise SystemExit("envserve-train collect: --batch-size must be >= 1")
+    codec = None
     try:
         seeds = task_seeds(cfg, args.episodes, args.seed_start)
-        tokenizer = load_tokenizer(source, "" if args.tokenizer else getattr(model, "gguf_file", ""))
-    except (ValueError, FileNotFoundError) as e:
+        if model.vision:
+            # A vision-language model's samples need its processor (image placeholders expanded): a
+            # saved VLM folder (model.path, or --tokenizer naming one).
+            from .train import vision_codec
+            from .vision_model import load_vlm_processor
+            codec = vision_codec(cfg, load_vlm_processor(source))
+            tokenizer = codec.tokenizer
+        else:
+            tokenizer = load_tokenizer(source, "" if args.tokenizer else getattr(model, "gguf_file", ""))
+    except (ValueError, OSError) as e:
         raise SystemExit(f"envserve-train collect: {e}") from None
     client = _client(args)
     try:
         summary = collect(client, cfg, tokenizer, args.out, seeds, args.expert, args.batch_size, args.append,
-                          tokenizer_source=source)
+                          tokenizer_source=source, codec=codec)
     except (ValueError, FileExistsError) as e:
         raise SystemExit(f"envserve-train collect: {e}") from None
     finally:

@@ -28,6 +28,7 @@ MEMORY_MODES = ("trajectories", "reflections", "both")
 BACKENDS = ("hf", "vllm", "openai")
 RANDOM_SIZES = ("tiny", "small")     # model.MODEL_SIZES
 VISION_ARCHS = ("qwen2_vl", "idefics3")   # vision_model.ARCHS
+BENCH_SECTION = "bench"
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -344,7 +345,9 @@ class TrainConfig:
             data = json.loads(text)
         if data is not None and not isinstance(data, Mapping):
             raise ValueError(f"{path}: the config must be a mapping of sections")
-        return cls.from_mapping(data)
+        # A learning bench's own numbers (demonstrations, RL seeds, its short run) may sit beside the
+        # trainer's sections in a bundled config; the trainer does not read them.
+        return cls.from_mapping({k: v for k, v in (data or {}).items() if k != BENCH_SECTION})
 
     def with_overrides(self, **sections: Mapping[str, Any]) -> "TrainConfig":
         """A copy with some keys of some sections replaced (the CLI's flags)."""

@@ -18,6 +18,12 @@ of `pack_length` tokens (first fit, longest first) under a block-diagonal causal
 the prefix and the earlier tokens of its own sequence, never a neighbour's, and each sequence's
 positions continue from the prefix, so a packed sequence is computed exactly as it would be alone.
 
+A vision-language policy (model.vision) trains on the same samples with the images each prompt
+holds (the recorded observations' PNGs, placed as the rollout places them), one (prompt, completion)
+per row scored through policy.vision.vision_sequence_logprobs, `micro_batch_rows` samples per forward:
+neither turn merging nor packing applies, since the image tokens' positions depend on the whole
+prompt (Qwen2-VL's 3-D rope). Its checkpoints hold the processor, and vision_model.load_vlm reads them.
+
 Checkpoints are the RL trainer's (checkpoint-<step>/: policy/ as save_pretrained with its tokenizer,
 optimizer.pt, trainer_state.json), so `model.path: DIR/checkpoint-N/policy` starts RL from one and
 `envserve-train eval --checkpoint` evaluates one. The data order is a function of (seed, epoch) and
@@ -97,6 +103,50 @@ def record_samples(record: dict[str, Any], tokenizer, layout: ChatLayout, cfg: T
         return [(list(s["prompt_ids"]), list(s["completion_ids"])) for s in stored]
     from .collect import episode_samples
     return [(list(p), list(c)) for p, c in episode_samples(layout, record, cfg)]
+
+
+@dataclass
+class VisionSample:
+    """One turn of a demonstration for a vision-language model: its prompt holds `images`, in order."""
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    images: list[bytes]
+    group: str = ""
+
+
+def vision_record_samples(record: dict[str, Any], codec, cfg: TrainConfig,
+                          tokenizer_key: str) -> list[tuple[list[int], list[int], list[bytes]]]:
+    """The record's (prompt, completion, images) for this VLM and prompt template: the stored samples
+    (their image_refs resolved into the turns' PNGs) when they were made for both, else rebuilt."""
+    from .collect import episode_samples_with_images, turn_images
+    ro = cfg.rollout
+    stored = record.get("samples")
+    made_for = (record.get("tokenizer"), record.get("template"), record.get("history_turns"),
+                record.get("response_prefix", ""), record.get("response_suffix", ""), record.get("vision"),
+                record.get("max_images"))
+    if stored and all("image_refs" in s for s in stored) and made_for == (
+            tokenizer_key, ro.template, ro.history_turns, ro.response_prefix, ro.response_suffix, codec.arch,
+            ro.max_images):
+        pngs = [turn_images(t) for t in record["turns"]]
+        return [(list(s["prompt_ids"]), list(s["completion_ids"]), [pngs[i][k] for i, k in s["image_refs"]])
+                for s in stored]
+    return episode_samples_with_images(ChatLayout(codec.tokenizer, codec), record, cfg)
+
+
+def build_vision_samples(records: Sequence[dict[str, Any]], codec, cfg: TrainConfig) -> list[VisionSample]:
+    from .pretrained import tokenizer_id
+    key = tokenizer_id(codec.tokenizer)
+    out = []
+    for n, rec in enumerate(records):
+        if cfg.sft.only_success and not rec.get("success"):
+            continue
+        group = f"{rec.get('env_id', '')}\x1f{rec.get('system_prompt', '')}"
+        try:
+            samples = vision_record_samples(rec, codec, cfg, key)
+        except ValueError as e:   # an image the model cannot take (VisionError is one)
+            raise ValueError(f"demonstration {n + 1} ({rec.get('env_id')} seed {rec.get('seed')}): {e}") from None
+        out += [VisionSample(p, c, imgs, group) for p, c, imgs in samples if c]
+    return out
 
 
 def build_sequences(records: Sequence[dict[str, Any]], tokenizer, cfg: TrainConfig) -> list[SFTSequence]:
@@ -207,7 +257,7 @@ def learning_rate(step: int, total: int, cfg: TrainConfig) -> float:
 class SFTTrainer:
     def __init__(self, cfg: TrainConfig, out_dir: str | Path, data: Sequence[str | Path], connection=None,
                  device: str = "cpu", resume: bool = False):
-        from .train import build_policy_model
+        from .train import build_policy_model, build_vision_policy_model, vision_codec
         if cfg.model.backend != "hf":
             raise ValueError("sft trains in process: model.backend must be hf")
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -215,15 +265,24 @@ class SFTTrainer:
         self.cfg = cfg
         self.out = Path(out_dir)
         self.connection = connection
-        self.model, self.tokenizer = build_policy_model(cfg, device, connection)
+        self.codec = None
+        if cfg.model.vision:
+            self.model, processor = build_vision_policy_model(cfg, device, connection)
+            self.codec = vision_codec(cfg, processor)
+            self.tokenizer = processor.tokenizer
+        else:
+            self.model, self.tokenizer = build_policy_model(cfg, device, connection)
         self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                           else self.tokenizer.eos_token_id)
         records = read_demos(data)
-        self.sequences = build_sequences(records, self.tokenizer, cfg)
+        if self.codec is not None:
+            self.sequences = build_vision_samples(records, self.codec, cfg)
+        else:
+            self.sequences = build_sequences(records, self.tokenizer, cfg)
         if not self.sequences:
             raise ValueError(f"no training sequences in {[str(d) for d in data]} "
                              f"({len(records)} episodes; sft.only_success={cfg.sft.only_success})")
-        self.prefixes = group_prefixes(self.sequences)
+        self.prefixes = group_prefixes(self.sequences) if self.codec is None else {}
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.sft.lr,
                                            weight_decay=cfg.sft.weight_decay)
         self.steps_per_epoch = math.ceil(len(self.sequences) / cfg.sft.batch_size)
@@ -236,7 +295,11 @@ class SFTTrainer:
                 log.info("resumed from %s (step %d)", ckpt, self.step)
         self.metrics = MetricsLog(self.out / METRICS_FILE)
         log.info("sft: %d sequences (%d answer tokens) from %d episodes, %d steps", len(self.sequences),
-                 sum(sum(s.loss) for s in self.sequences), len(records), self.total_steps)
+                 sum(self._answer_tokens(s) for s in self.sequences), len(records), self.total_steps)
+
+    @staticmethod
+    def _answer_tokens(seq) -> int:
+        return len(seq.completion_ids) if isinstance(seq, VisionSample) else sum(seq.loss)
 
     def _batch(self, step: int) -> list[SFTSequence]:
         epoch, index = divmod(step, self.steps_per_epoch)
@@ -251,12 +314,25 @@ class SFTTrainer:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         batch = self._batch(step)
+        total_tokens = sum(self._answer_tokens(seq) for seq in batch)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        backward = self._vision_backward if self.codec is not None else self._packed_backward
+        loss_sum, rows_n = backward(batch, total_tokens)
+        norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None],
+                                              s.max_grad_norm)
+        self.optimizer.step()
+        self.model.eval()
+        return {"loss": loss_sum / max(total_tokens, 1), "lr": lr, "grad_norm": float(norm),
+                "answer_tokens": float(total_tokens), "sequences": float(len(batch)), "rows": float(rows_n)}
+
+    def _packed_backward(self, batch: Sequence[SFTSequence], total_tokens: int) -> tuple[float, int]:
+        """Backward of the summed answer-token cross-entropy over `batch` (divided by `total_tokens`),
+        each group's sequences packed after its shared prefix; returns (the summed loss, packed rows)."""
+        s = self.cfg.sft
         groups: dict[str, list[SFTSequence]] = {}
         for seq in batch:
             groups.setdefault(seq.group, []).append(seq)
-        total_tokens = sum(sum(seq.loss) for seq in batch)
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
         loss_sum, rows_n = 0.0, 0
         for g, members in groups.items():
             prefix = self.prefixes[g]
@@ -266,12 +342,43 @@ class SFTTrainer:
                 part, n = packed_loss_sum(self.model, rows[i:i + s.micro_batch_rows], prefix, self.pad_id)
                 (part / max(total_tokens, 1)).backward()
                 loss_sum += float(part.detach())
-        norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None],
-                                              s.max_grad_norm)
-        self.optimizer.step()
+        return loss_sum, rows_n
+
+    def _vision_backward(self, batch: Sequence[VisionSample], total_tokens: int) -> tuple[float, int]:
+        """Backward of the summed answer-token cross-entropy over `batch` (divided by `total_tokens`),
+        `micro_batch_rows` samples per forward; returns (the summed loss, forwards run)."""
+        from .policy.vision import vision_sequence_logprobs
+        loss_sum, forwards = 0.0, 0
+        mb = self.cfg.sft.micro_batch_rows
+        for i in range(0, len(batch), mb):
+            part = batch[i:i + mb]
+            logp, mask = vision_sequence_logprobs(self.model, self.codec, [s.prompt_ids for s in part],
+                                                  [s.completion_ids for s in part], [s.images for s in part],
+                                                  pad_token_id=self.pad_id)
+            nll = -(logp * mask).sum()
+            (nll / max(total_tokens, 1)).backward()
+            loss_sum += float(nll.detach())
+            forwards += 1
+        return loss_sum, forwards
+
+    def loss(self, samples: Sequence[VisionSample] | None = None) -> float:
+        """Mean answer-token cross-entropy over `samples` (all of the data by default), no gradient
+        (a VLM's; what its training steps lower)."""
+        from .policy.vision import vision_sequence_logprobs
+        samples = self.sequences if samples is None else samples
+        total, n = 0.0, 0
+        was_training = self.model.training
         self.model.eval()
-        return {"loss": loss_sum / max(total_tokens, 1), "lr": lr, "grad_norm": float(norm),
-                "answer_tokens": float(total_tokens), "sequences": float(len(batch)), "rows": float(rows_n)}
+        with torch.no_grad():
+            for i in range(0, len(samples), self.cfg.sft.micro_batch_rows):
+                part = samples[i:i + self.cfg.sft.micro_batch_rows]
+                logp, mask = vision_sequence_logprobs(self.model, self.codec, [s.prompt_ids for s in part],
+                                                      [s.completion_ids for s in part], [s.images for s in part],
+                                                      pad_token_id=self.pad_id)
+                total -= float((logp * mask).sum())
+                n += int(mask.sum())
+        self.model.train(was_training)
+        return total / max(n, 1)
 
     def run(self, max_steps: int | None = None) -> list[dict[str, Any]]:
         s = self.cfg.sft
@@ -298,12 +405,18 @@ class SFTTrainer:
 
     # -- evaluation through the service ------------------------------------------------------------
     def evaluate(self) -> dict[str, Any]:
-        from .policy.hf import HFPolicy
         from .train import evaluate_policy
         # The held-out tasks when the config has them (what SFT should generalise to), else the training ones.
         sets = ("held_out",) if self.cfg.env.eval_tasks else ("train_tasks",)
-        return asyncio.run(evaluate_policy(self.cfg, HFPolicy(self.model, self.tokenizer), self.tokenizer,
-                                           self.connection, task_sets=sets))
+        return asyncio.run(evaluate_policy(self.cfg, self.policy(), self.tokenizer, self.connection, task_sets=sets))
+
+    def policy(self):
+        """The model being trained as a policy (it samples with the current weights)."""
+        from .policy.hf import HFPolicy
+        if self.codec is not None:
+            from .policy.vision import HFVisionPolicy
+            return HFVisionPolicy(self.model, self.codec)
+        return HFPolicy(self.model, self.tokenizer)
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def save(self) -> Path:
@@ -313,7 +426,8 @@ class SFTTrainer:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         self.model.save_pretrained(tmp / "policy")
-        self.tokenizer.save_pretrained(tmp / "policy")
+        # A VLM's processor holds its tokenizer, image processor and chat template (load_vlm reads it).
+        (self.codec.processor if self.codec is not None else self.tokenizer).save_pretrained(tmp / "policy")
         torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
         state = {"iteration": self.step, "stage": "sft", "steps_per_epoch": self.steps_per_epoch,
                  "sequences": len(self.sequences), "config": self.cfg.to_dict()}

@@ -172,6 +172,7 @@ async def judge_trials(judge, trials: Sequence[Trial], env_id: str) -> int:
             if r.status.code == 0 and r.key in where:
                 turn, field = where[r.key]
                 turn.judge_scores[field] = float(r.score)
+                turn.judge_verdicts[field] = bool(r.verdict)
                 scored += 1
     return scored
 
@@ -417,6 +418,13 @@ async def evaluate_checkpoint(cfg: TrainConfig, checkpoint: str | Path | None, c
                               device: str = "cpu", policy=None, tokenizer=None) -> dict[str, Any]:
     """Evaluate a saved policy, the config's model (no checkpoint), or a given policy (e.g. the
     openai backend) on the configured tasks."""
+    if policy is None and cfg.model.vision:
+        from .policy.vision import HFVisionPolicy
+        from .vision_model import load_vlm
+        model, processor = load_vlm(policy_folder(checkpoint) if checkpoint else cfg.model.path, device)
+        policy = HFVisionPolicy(model, vision_codec(cfg, processor), allowed_token_ids=allowed_token_ids(
+            processor.tokenizer, cfg.rollout.allowed_words, cfg.rollout.max_new_tokens))
+        tokenizer = processor.tokenizer
     if policy is None:
         from .pretrained import load_pretrained
         from .policy.hf import HFPolicy

@@ -33,6 +33,7 @@ class Turn:
     success: bool = False
     feedback: str = ""
     judge_scores: dict[str, float] = field(default_factory=dict)   # field -> judge score
+    judge_verdicts: dict[str, bool] = field(default_factory=dict)  # field -> the judge's pass/fail
     process_reward: float | None = None   # a process reward model's reward for this step (process/)
     prompt_images: list[bytes] = field(default_factory=list)   # PNGs whose tokens prompt_ids holds, in order
 

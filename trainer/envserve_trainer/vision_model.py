@@ -258,16 +258,23 @@ def load_vlm(path: str | os.PathLike, device: str | None = None):
     """(model, processor) saved by `model.save_pretrained(path); processor.save_pretrained(path)`,
     from local files only. Idefics3's processor loads through AutoProcessor; Qwen2-VL's through
     Qwen2VLImageTextProcessor (AutoProcessor would build Qwen2VLProcessor, which needs torchvision)."""
-    import json
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
     path = Path(path)
     model = AutoModelForImageTextToText.from_pretrained(path, local_files_only=True)
-    model_type = json.loads((path / "config.json").read_text())["model_type"]
-    if model_type == "qwen2_vl":
-        processor = _qwen2_vl_processor_class().from_pretrained(path, local_files_only=True)
-    else:
-        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+    processor = load_vlm_processor(path)
     if device is not None:
         model = model.to(device)
     return model.eval(), processor
+
+
+def load_vlm_processor(path: str | os.PathLike):
+    """The processor of a folder load_vlm reads, without its weights (enough to tokenize prompts)."""
+    import json
+    from transformers import AutoProcessor
+
+    path = Path(path)
+    model_type = json.loads((path / "config.json").read_text())["model_type"]
+    if model_type == "qwen2_vl":
+        return _qwen2_vl_processor_class().from_pretrained(path, local_files_only=True)
+    return AutoProcessor.from_pretrained(path, local_files_only=True)

@@ -1,0 +1,220 @@
+"""The learning run of a vision-language policy: base -> SFT on expert demonstrations -> RL, in
+VAGEN's visual setting (image-only FrozenLake 4x4: the policy sees the picture alone), through a real
+replica and a real judge, with a small random-weight VLM (model.random_init, model.vision).
+
+Everything comes from the bundled config trainer/envserve_trainer/configs/learn_vlm_frozenlake.yaml
+(its `bench` section holds the RL seeds, the sampled trials per map, the minutes and the --quick run):
+
+  1. collect   the expert (a planner reading GetState) plays the training maps through the gRPC API;
+               each turn keeps the picture the replica sent; its answers describe the state in
+               <observation>, predict the next one in <prediction>, and move in <answer>
+  2. base      the random-weight VLM is evaluated on held-out maps
+  3. sft       supervised fine-tuning on the demonstrations (the pictures in the prompts), evaluated
+  4. rl        RL from the SFT checkpoint (the config's estimator, the judge's rewards when it uses
+               them), once per RL seed, evaluated
+
+An evaluation plays the held-out maps greedily (one trial each) and sampled (K trials each at
+temperature 1): greedy_success, sampled_success, invalid_rate (greedy), and grounding_accuracy: the
+share of greedy turns whose <observation> the judge (its rule judge for FrozenLake: the F1 of the
+described relations against the true state, passing at its threshold) finds true. With --json the
+last line is the summary: those figures per stage, rl_minus_sft_greedy, the spread over RL seeds and
+the minutes.
+
+    .venv/bin/python bench/learn_vlm.py --output-dir runs/learn-vlm --json       # make learn-vlm
+    .venv/bin/python bench/learn_vlm.py --quick --json                           # a few minutes
+    .venv/bin/python bench/learn_vlm.py --device cuda --json                     # weights built on the GPU
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+CONFIG = "learn_vlm_frozenlake.yaml"
+
+
+def load_config(quick: bool):
+    """(TrainConfig, the bench section), with the quick run's overrides applied when asked."""
+    import yaml
+    from envserve_trainer.cli import BUNDLED_CONFIGS
+    from envserve_trainer.config import BENCH_SECTION, TrainConfig
+    data = yaml.safe_load((BUNDLED_CONFIGS / CONFIG).read_text())
+    bench = dict(data.pop(BENCH_SECTION))
+    quick_overrides = bench.pop("quick", {})
+    cfg = TrainConfig.from_mapping(data)
+    if quick:
+        quick_overrides = dict(quick_overrides)
+        bench.update(quick_overrides.pop(BENCH_SECTION, {}))
+        cfg = cfg.with_overrides(**quick_overrides)
+    return cfg, bench
+
+
+async def play(cfg, policy, conn, temperature: float, samples: int) -> tuple[dict[str, Any], float]:
+    """(summary, grounding accuracy) of `samples` trials per held-out map. The judge scores each turn's
+    <observation> while the sessions are open (it reads their states through the replica)."""
+    from envserve_trainer.evaluation import summarize
+    from envserve_trainer.rollout import RolloutEngine
+    from envserve_trainer.train import eval_task_sets, judge_trials
+    client, judge = conn.env_client(), conn.judge_client()
+    engine = RolloutEngine(client, policy, policy.tokenizer, cfg, seed=cfg.run.seed)
+    try:
+        trials = await engine.collect(eval_task_sets(cfg)["held_out"], samples, iteration=-1, temperature=temperature)
+        await judge_trials(judge, trials, cfg.env.env_id)
+    finally:
+        await engine.close()
+        await client.close()
+        await judge.close()
+    # A turn without an <observation> (the answer did not parse) counts as not grounded.
+    turns = [t for trial in trials for ep in trial.episodes for t in ep.turns]
+    grounded = sum(1 for t in turns if t.judge_verdicts.get("grounding"))
+    return summarize(trials)["overall"], grounded / max(len(turns), 1)
+
+
+def evaluate(cfg, policy, conn, samples: int) -> dict[str, Any]:
+    greedy, grounding = asyncio.run(play(cfg, policy, conn, 0.0, 1))
+    sampled, sampled_grounding = asyncio.run(play(cfg, policy, conn, 1.0, samples))
+    return {"greedy_success": greedy["success_rate"], "sampled_success": sampled["success_rate"],
+            "invalid_rate": greedy["invalid_action_rate"], "format_error_rate": greedy["format_error_rate"],
+            "grounding_accuracy": grounding, "sampled_grounding_accuracy": sampled_grounding,
+            "greedy_mean_turns": greedy["mean_turns"]}
+
+
+def run(args, cfg, bench: dict[str, Any], conn, log, started: float) -> dict[str, Any]:
+    from envserve.client import EnvClient
+    from envserve_trainer.collect import collect
+    from envserve_trainer.policy.vision import HFVisionPolicy
+    from envserve_trainer.sft import SFTTrainer
+    from envserve_trainer.train import Trainer, build_vision_policy_model, policy_folder, vision_codec
+
+    out = Path(args.output_dir)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    result: dict[str, Any] = {"env": cfg.env.env_id, "estimator": cfg.algo.estimator, "use_judge": cfg.algo.use_judge,
+                              "model": f"{cfg.model.vision} {cfg.model.random_init}", "device": args.device,
+                              "stages": {}}
+    samples = int(bench["samples"])
+
+    base, processor = build_vision_policy_model(cfg, args.device, conn)
+    codec = vision_codec(cfg, processor)
+    demos = out / "demos.jsonl"
+    with EnvClient(conn.env_address) as client:
+        seeds = list(range(cfg.env.seed_start, cfg.env.seed_start + cfg.env.num_tasks))
+        result["collect"] = collect(client, cfg, codec.tokenizer, demos, seeds, codec=codec)
+    log(f"{result['collect']['episodes']} demonstrations, expert success {result['collect']['success_rate']:.2f}, "
+        f"{demos.stat().st_size / 1e6:.1f} MB")
+
+    result["stages"]["base"] = evaluate(cfg, HFVisionPolicy(base, codec), conn, samples)
+    log(f"base {json.dumps(result['stages']['base'])}")
+    del base
+
+    t1 = time.monotonic()
+    sft = SFTTrainer(cfg, out / "sft", [demos], conn, device=args.device)
+    loss_first = sft.loss()
+    records = sft.run()
+    result["sft"] = {"steps": sft.step, "samples": len(sft.sequences), "seconds": round(time.monotonic() - t1, 1),
+                     "loss_first": loss_first, "loss_last": sft.loss(),
+                     "step_losses": [r["sft"]["loss"] for r in records]}
+    t2 = time.monotonic()
+    result["stages"]["sft"] = evaluate(cfg, sft.policy(), conn, samples)
+    eval_seconds = time.monotonic() - t2
+    log(f"sft ({result['sft']['steps']} steps, loss {loss_first:.3f} -> {result['sft']['loss_last']:.3f}) "
+        f"{json.dumps(result['stages']['sft'])}")
+    sft_policy = policy_folder(sft.save())
+    del sft
+
+    budget = 60 * float(args.minutes if args.minutes is not None else bench["minutes"])
+    rl_seeds = list(args.rl_seeds if args.rl_seeds is not None else bench["rl_seeds"])
+    for i, seed in enumerate(rl_seeds):
+        # The seeds share what is left of the budget; each keeps an evaluation's time (the SFT one's) for
+        # its own evaluation. At least one iteration always runs.
+        share = (budget - (time.monotonic() - started)) / (len(rl_seeds) - i) - eval_seconds
+        t3 = time.monotonic()
+        rl_cfg = cfg.with_overrides(model={"path": str(sft_policy), "random_init": ""}, run={"seed": seed})
+        trainer = Trainer(rl_cfg, out / f"rl-seed{seed}", conn, device=args.device)
+        try:
+            records = asyncio.run(trainer.run(max_seconds=max(share, 0.0)))
+            stage = evaluate(rl_cfg, trainer.policy, conn, samples)
+        finally:
+            trainer.close()
+        result["stages"][f"rl-seed{seed}"] = stage
+        result.setdefault("rl", {})[str(seed)] = {
+            "iterations": len(records), "seconds": round(time.monotonic() - t3, 1),
+            "train_success": [r["train"]["success_rate"] for r in records]}
+        log(f"rl seed {seed} ({len(records)} iterations) {json.dumps(stage)}")
+    return result
+
+
+def summarize(result: dict[str, Any], minutes: float) -> dict[str, Any]:
+    st = result["stages"]
+    rl = [v for k, v in st.items() if k.startswith("rl-")]
+    mean = lambda key: statistics.mean(v[key] for v in rl) if rl else None  # noqa: E731
+    greedy = [v["greedy_success"] for v in rl]
+    summary: dict[str, Any] = {"env": result["env"], "model": result["model"], "estimator": result["estimator"],
+                               "device": result["device"], "minutes": round(minutes, 1),
+                               "demos": result["collect"]["episodes"], "sft_steps": result["sft"]["steps"],
+                               "sft_loss_first": round(result["sft"]["loss_first"], 4),
+                               "sft_loss_last": round(result["sft"]["loss_last"], 4),
+                               "rl_iterations": {s: v["iterations"] for s, v in result.get("rl", {}).items()}}
+    for stage in ("base", "sft"):
+        for key in ("greedy_success", "sampled_success", "invalid_rate", "grounding_accuracy"):
+            summary[f"{stage}_{key}"] = st[stage][key]
+    for key in ("greedy_success", "sampled_success", "invalid_rate", "grounding_accuracy"):
+        summary[f"rl_{key}"] = mean(key)
+    summary["rl_greedy_success_by_seed"] = greedy
+    summary["rl_minus_sft_greedy"] = statistics.mean(greedy) - st["sft"]["greedy_success"] if rl else None
+    summary["rl_seed_spread"] = max(greedy) - min(greedy) if rl else None
+    return summary
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = ["| stage | greedy success | sampled success | invalid rate | grounding accuracy |", "|---|---|---|---|---|"]
+    for stage, m in result["stages"].items():
+        lines.append(f"| {stage} | {m['greedy_success']:.2f} | {m['sampled_success']:.2f} | {m['invalid_rate']:.2f} "
+                     f"| {m['grounding_accuracy']:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--output-dir", default="runs/learn-vlm")
+    ap.add_argument("--quick", action="store_true", help="the config's short run (bench.quick): a few minutes")
+    ap.add_argument("--minutes", type=float, default=None, help="the whole run's budget (default: bench.minutes)")
+    ap.add_argument("--rl-seeds", type=int, nargs="+", default=None, help="default: bench.rl_seeds")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda: where the weights are built and trained")
+    ap.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    from serverproc import JudgeProcess, ServerProcess
+    from envserve_trainer.train import Connection
+    cfg, bench = load_config(args.quick)
+    started = time.monotonic()
+
+    def log(msg: str) -> None:
+        print(f"[{(time.monotonic() - started) / 60:5.1f} min] {msg}", flush=True)
+
+    with ServerProcess([cfg.env.env_id], workers=1, metrics=False) as server, JudgeProcess(server.address) as judge:
+        conn = Connection(env_address=server.address, judge_address=judge.address)
+        result = run(args, cfg, bench, conn, log, started)
+    minutes = (time.monotonic() - started) / 60
+    summary = summarize(result, minutes)
+    out_dir = Path(args.output_dir)
+    (out_dir / "summary.json").write_text(json.dumps({"summary": summary, "result": result}, indent=1))
+    print(table(result))
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""Every bundled config loads as the trainer reads it; a learning bench's own section sits beside the
+trainer's sections without reaching them."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from envserve_trainer.cli import BUNDLED_CONFIGS
+from envserve_trainer.config import TrainConfig
+
+
+@pytest.mark.parametrize("path", sorted(BUNDLED_CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_bundled_config_loads(path):
+    TrainConfig.load(path)
+
+
+def test_the_vlm_bench_config_is_vagens_visual_setting_with_its_own_section():
+    path = BUNDLED_CONFIGS / "learn_vlm_frozenlake.yaml"
+    cfg = TrainConfig.load(path)
+    assert cfg.model.vision == "qwen2_vl" and cfg.model.random_init in ("tiny", "small")
+    assert cfg.env.env_config["image_only"] and cfg.env.env_config["render_image"]
+    assert (cfg.env.action_format, cfg.rollout.template) == ("grounding_worldmodeling", "vagen")
+    bench = yaml.safe_load(path.read_text())["bench"]
+    assert len(bench["rl_seeds"]) == 2 and bench["minutes"] == 60 and bench["quick"]
+    # The section is the bench's: the trainer's own mapping refuses it.
+    with pytest.raises(ValueError, match="unknown config section"):
+        TrainConfig.from_mapping(yaml.safe_load(path.read_text()))
