@@ -85,18 +85,20 @@ class AsyncRoutedClient(Router):
         await asyncio.to_thread(self.check_served, env_id)
         deadline = self.open_deadline()
         while len(opened) < count:
-            shares = self.plan(env_id, count - len(opened), tried)
-            if not shares:
+            claims = self.claim(env_id, count - len(opened), tried)
+            if not claims:
                 if time.monotonic() >= deadline or self.listed(env_id):
                     break  # full or refusing replicas answer at once; only an empty listing is waited out
                 await asyncio.sleep(0.2)  # no replica now: wait for one (see Router.open_deadline)
                 await asyncio.to_thread(self._refresh_quietly)
                 tried.clear()
                 continue
-            rids = list(shares)
+            rids = list(claims)
             replies = await asyncio.gather(
-                *[self.client_for(self._known[rid]).open_with_prompt(env_id, shares[rid], config, action_format)
+                *[self.client_for(self._known[rid]).open_with_prompt(env_id, claims[rid][0], config, action_format)
                   for rid in rids], return_exceptions=True)
+            for rid, reply in zip(rids, replies):
+                self.settle(rid, claims[rid][1], 0 if isinstance(reply, BaseException) else len(reply[0]))
             for rid, reply in zip(rids, replies):
                 if isinstance(reply, EnvServeError) and reply.code in _RETRY_ELSEWHERE:
                     last_error = reply
@@ -107,7 +109,6 @@ class AsyncRoutedClient(Router):
                 else:
                     ids, prompt = reply
                     opened.extend(ids)
-                    self.note_opened(rid, len(ids))
         if len(opened) < count:
             await self.close_sessions(opened)
             raise last_error or UnavailableError(

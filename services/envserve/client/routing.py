@@ -134,7 +134,7 @@ class Router:
         for rid in list(self._opened):
             r = self._known.get(rid)
             counted = (r.counted_unix or r.heartbeat_unix) if r is not None else 0.0
-            kept = [(t, n) for t, n in self._opened[rid] if counted and t > counted]
+            kept = [e for e in self._opened[rid] if counted and e[0] > counted]
             if kept:
                 self._opened[rid] = kept
             else:
@@ -260,8 +260,32 @@ class Router:
 
     def note_opened(self, replica_id: str, n: int) -> None:
         """Count n sessions opened on a replica until its next heartbeat reports them."""
+        self.reserve(replica_id, n)
+
+    def reserve(self, replica_id: str, n: int) -> list:
+        """Count n sessions as opening on a replica from now, before its Open answers, so openers
+        running at the same time see them and go elsewhere; settle() it once the Open answered."""
+        entry = [time.time(), n]
         with self._lock:
-            self._opened.setdefault(replica_id, []).append((time.time(), n))
+            self._opened.setdefault(replica_id, []).append(entry)
+        return entry
+
+    def settle(self, replica_id: str, entry: list, opened: int) -> None:
+        """A reservation's Open answered with `opened` sessions (0: it failed): they count from now
+        until a heartbeat has counted them."""
+        with self._lock:
+            entries = self._opened.setdefault(replica_id, [])
+            kept = next((i for i, e in enumerate(entries) if e is entry), None)
+            if kept is not None:
+                del entries[kept]
+            if opened:
+                entries.append([time.time(), opened])
+            if not entries:
+                del self._opened[replica_id]
+
+    def claim(self, env_id: str, count: int, exclude: set[str] = frozenset()) -> dict[str, tuple[int, list]]:
+        """plan(), each share reserved at once: replica -> (sessions, reservation to settle)."""
+        return {rid: (n, self.reserve(rid, n)) for rid, n in self.plan(env_id, count, exclude).items()}
 
     def still_listed(self, replica_id: str) -> bool:
         """After a replica stopped answering: is it still registered? (No: it is gone.)"""
@@ -409,38 +433,42 @@ class RoutedClient(Router):
         self.check_served(env_id)
         deadline = self.open_deadline()
         while remaining > 0:
-            shares = self.plan(env_id, remaining, tried)
-            if not shares:
+            claims = self.claim(env_id, remaining, tried)
+            if not claims:
                 if time.monotonic() >= deadline or self.listed(env_id):
                     break  # full or refusing replicas answer at once; only an empty listing is waited out
                 time.sleep(0.2)  # no replica now (all restarting, Redis restarted empty): wait for one
                 self._refresh_quietly()
                 tried.clear()
                 continue
-            calls = []
-            for rid, n in shares.items():
+            calls, got = [], {rid: 0 for rid in claims}
+            for rid, (n, _) in claims.items():
                 r = self._known[rid]
                 stub = self.client_for(r)
                 for start in range(0, n, self.max_open_per_call):
                     k = min(self.max_open_per_call, n - start)
                     req = rq.open_request(env_id, k, config, action_format)
                     calls.append((rid, k, stub.env.Open.future(req, timeout=stub.timeout, metadata=stub.metadata)))
-            for rid, k, fut in calls:
-                try:
-                    resp = fut.result()
-                except grpc.RpcError as e:
-                    err = from_rpc_error(e)
-                    if e.code() not in _RETRY_ELSEWHERE:
-                        self.close_sessions(opened)  # all or nothing, as one replica's Open is
-                        raise err from None
-                    last_error = err
-                    tried.add(rid)
-                    continue
-                opened.extend(resp.session_ids)
-                remaining -= len(resp.session_ids)
-                lease = min(lease, resp.lease_seconds) if lease else resp.lease_seconds
-                prompt = prompt or resp.system_prompt
-                self.note_opened(rid, len(resp.session_ids))
+            try:
+                for rid, k, fut in calls:
+                    try:
+                        resp = fut.result()
+                    except grpc.RpcError as e:
+                        err = from_rpc_error(e)
+                        if e.code() not in _RETRY_ELSEWHERE:
+                            self.close_sessions(opened)  # all or nothing, as one replica's Open is
+                            raise err from None
+                        last_error = err
+                        tried.add(rid)
+                        continue
+                    opened.extend(resp.session_ids)
+                    remaining -= len(resp.session_ids)
+                    lease = min(lease, resp.lease_seconds) if lease else resp.lease_seconds
+                    prompt = prompt or resp.system_prompt
+                    got[rid] += len(resp.session_ids)
+            finally:
+                for rid, (_, entry) in claims.items():
+                    self.settle(rid, entry, got[rid])
         if remaining > 0:
             self.close_sessions(opened)
             if last_error is not None:

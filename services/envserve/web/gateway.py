@@ -78,14 +78,19 @@ class Gateway:
             raise await self.not_served(req.env_id, md)
         last: grpc.RpcError | None = None
         for r in order:
+            reservation = self.table.reserve(r, max(1, req.count))
             try:
                 resp = await self.table.stubs(r).env.Open(req, timeout=self.timeout, metadata=md)
             except grpc.RpcError as e:
+                self.table.settle(r, reservation, 0)
                 if e.code() not in _TRY_NEXT:
                     raise  # anything else is the request's fault
                 last = e
                 continue
-            self.table.opened(r, len(resp.session_ids))
+            except BaseException:
+                self.table.settle(r, reservation, 0)
+                raise
+            self.table.settle(r, reservation, len(resp.session_ids))
             return r, resp
         raise last
 

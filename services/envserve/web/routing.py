@@ -196,7 +196,14 @@ class ReplicaTable:
             return None  # e.g. the caller's token may not watch sessions: load unknown
         return resp.total
 
-    def opened(self, r: ReplicaInfo, count: int) -> None:
-        """Count sessions opened on a directory replica until its next heartbeat reports them."""
-        if self.router is not None and not self.is_fixed(r):
-            self.router.note_opened(r.replica_id, count)
+    def reserve(self, r: ReplicaInfo, count: int):
+        """Count sessions as opening on a directory replica from now (before its Open answers, so
+        the Opens running beside this one go elsewhere); settle() once the Open answered."""
+        if self.router is None or self.is_fixed(r):
+            return None
+        return self.router.reserve(r.replica_id, count)
+
+    def settle(self, r: ReplicaInfo, reservation, opened: int) -> None:
+        """The Open answered with `opened` sessions (0: it failed)."""
+        if reservation is not None:
+            self.router.settle(r.replica_id, reservation, opened)
