@@ -16,12 +16,13 @@ import pytest
 
 from adapter_support import live_session_ids
 from envserve.client import AsyncRoutedClient
-from envserve.directory import replica_of
+from envserve.directory import open_directory, replica_of
 from envserve.integrations import close_channels
 from envserve.integrations.trl import environment_factory
 from serverproc import Cluster, redis_or_skip
 
 IDS = ["rep-a", "rep-b", "rep-c"]
+ROUTER_REFRESH = 1.0  # seconds a router keeps a listing (RoutedClient's refresh_seconds)
 MOVES = ["Right", "Down", "Left", "Up", "Down", "Right"]
 
 
@@ -45,6 +46,22 @@ def held(cluster, env_id: str) -> dict[str, int]:
     return {rid: len(live_session_ids(cluster.replicas[rid].address, env_id)) for rid in IDS}
 
 
+def settled(cluster) -> None:
+    """Waits until every replica has heartbeated since now and routers' cached listings have
+    expired: the listing a router plans with then holds what earlier tests closed. (Sessions
+    another client closed since a replica's last heartbeat are counted until its next one; within
+    that period no router can know of them.)"""
+    since = time.time()
+    directory = open_directory(cluster.url)
+    deadline = since + 60
+    while time.time() < deadline:
+        listed = {r.replica_id: r.counted_unix for r in directory.replicas()}
+        if set(listed) == set(IDS) and min(listed.values()) > since:
+            break
+        time.sleep(cluster.heartbeat / 4)
+    time.sleep(ROUTER_REFRESH)
+
+
 def assert_spread(counts: dict[str, int], total: int, before: dict[str, int]) -> None:
     """total new sessions, and the replicas' loads level (least loaded first). The cluster is the
     module's: sessions an earlier test left to the lease count in `before`."""
@@ -63,6 +80,7 @@ def play(cls, seed: int, moves=MOVES) -> list[str]:
 
 # -- spreading -------------------------------------------------------------------------------------
 def test_trl_rollouts_spread_over_every_replica_of_the_directory(cluster):
+    settled(cluster)
     before = held(cluster, "frozenlake")
     cls = environment_factory(cluster.url, "frozenlake", include_rules=False)
     envs = [cls() for _ in range(12)]
@@ -81,6 +99,7 @@ def test_skyrl_and_gem_envs_spread_over_fixed_addresses(cluster):
     from envserve.integrations import gem as gem_adapter
     from envserve.integrations import skyrl as skyrl_adapter
 
+    settled(cluster)
     before = held(cluster, "frozenlake")
     (sky,) = skyrl_adapter.register(addresses(cluster), ["frozenlake"], prefix="spread-")
     envs = [skyrl_gym.make(sky, env_config={}, extras={"seed": i}) for i in range(9)]
@@ -90,6 +109,7 @@ def test_skyrl_and_gem_envs_spread_over_fixed_addresses(cluster):
     for env in envs:
         env.close()
 
+    settled(cluster)
     before = held(cluster, "sokoban")
     (name,) = gem_adapter.register(",".join(addresses(cluster)), ["sokoban"], prefix="spread:")
     envs = [gem.make(name) for _ in range(9)]
@@ -269,6 +289,7 @@ def test_openenvs_client_through_the_facade_spreads_sockets_over_every_replica(c
             for c in clients:
                 await c.__aexit__(None, None, None)
 
+    settled(cluster)
     before = held(cluster, "frozenlake")
     with WebProcess.facade(directory=cluster.url) as web:
         counts, rewards = asyncio.run(main(web.url))
