@@ -33,13 +33,14 @@ from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, 
 
 # Games `envserve ls` and the conformance suite try: they run offline, a seed gives the same game
 # in any process, and their text names at least one legal move at the start (the suite plays
-# those). Left out, though servable where they work: Sudoku, LightsOut, PegJump and Nim (their
-# text lists no moves to play); Wordle, Hangman, Crosswords, WordLadder, WordSearch, SpellingBee,
+# those). Served but left out: Sudoku, LightsOut, PegJump and Nim (their text names no move to
+# play, or only an example). Not servable offline or on Python 3.11: Wordle, Hangman, Crosswords, WordLadder, WordSearch, SpellingBee,
 # WordChains, DontSayIt, LetterAuction, Codenames (they load NLTK corpora, downloaded on first
 # use); GuessWho, TwentyQuestions, Debate, ScenarioPlanning (an LLM through OpenRouter plays a
 # part); Chess, Checkers, ReverseTicTacToe, Klondike, IteratedStagHunt, UltimateTexasHoldem
 # (TextArena 0.7.4's code for them needs Python 3.12); Countdown (0.7.4 passes its invalid-move
-# reason as the reward, so a game lost that way scores 0 here). Games of three or more players are not served.
+# reason as the reward, so a game lost that way scores 0 here). Games on TextArena's multi-player
+# state (three or more seats, and Poker or Golf even with two) are not served.
 EXAMPLE_GAMES = ("GuessTheNumber-v0", "TowerOfHanoi-v0", "Minesweeper-v0", "FifteenPuzzle-v0", "FrozenLake-v0",
                  "2048-v0", "Mastermind-v0", "Blackjack-v0",
                  "TicTacToe-v0", "ConnectFour-v0", "Othello-v0", "KuhnPoker-v0", "IteratedRockPaperScissors-v0")
