@@ -13,12 +13,12 @@ from envserve.client import AsyncEnvClient, EnvClient, state_dict  # noqa: E402
 from envserve.client.errors import EnvServeError  # noqa: E402
 from serverproc import ServerProcess  # noqa: E402
 
-TTT, GUESS = "textarena:TicTacToe-v0", "textarena:GuessTheNumber-v0"
+TTT, GUESS, G2048 = "textarena:TicTacToe-v0", "textarena:GuessTheNumber-v0", "textarena:2048-v0"
 
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess([TTT, GUESS], workers=1, metrics=False) as s:
+    with ServerProcess([TTT, GUESS, G2048], workers=1, metrics=False) as s:
         yield s
 
 
@@ -128,6 +128,31 @@ def test_repeated_invalid_moves_lose_the_game_as_textarena_scores_it(client):
     assert r.done and r.reward == -1.0 and not r.success and r.info["invalid_move"]
     assert dict(r.info["rewards"]) == {"0": -1.0, "1": 1.0}
     client.close_sessions([sid])
+
+
+def test_sessions_sharing_a_worker_keep_their_own_randomness(client):
+    # 2048 places a random tile after every move, from Python's process-wide generator: sessions
+    # stepped in turn in one worker must each go on as one stepped alone.
+    moves = ["<answer>[Up]</answer>", "<answer>[Left]</answer>", "<answer>[Down]</answer>", "<answer>[Right]</answer>"] * 3
+
+    def run(seeds, interleave):
+        ids = client.open(G2048, len(seeds), {}, "no_think")
+        for sid, seed in zip(ids, seeds):
+            client.reset_one(sid, seed=seed)
+        texts = {sid: [] for sid in ids}
+        for m in moves:
+            for sid in (ids if interleave else ids[:1]):
+                texts[sid].append(client.step_one(sid, m).observation.text)
+        client.close_sessions(ids)
+        return texts[ids[0]]
+
+    assert run([5, 6], interleave=True) == run([5], interleave=False)
+
+
+def test_a_game_envserve_cannot_serve_is_invalid_argument(client):
+    with pytest.raises(EnvServeError) as e:
+        client.open("textarena:Poker-v0", 1)   # on TextArena's multi-player state
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "one- or two-player" in str(e.value)
 
 
 def test_unknown_game_is_invalid_argument(client):

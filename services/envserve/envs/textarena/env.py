@@ -40,7 +40,7 @@ from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, 
 # part); Chess, Checkers, ReverseTicTacToe, Klondike, IteratedStagHunt, UltimateTexasHoldem
 # (TextArena 0.7.4's code for them needs Python 3.12); Countdown (0.7.4 passes its invalid-move
 # reason as the reward, so a game lost that way scores 0 here). Games on TextArena's multi-player
-# state (three or more seats, and Poker or Golf even with two) are not served.
+# state (three or more seats, and Poker or Snake even with two) are not served.
 EXAMPLE_GAMES = ("GuessTheNumber-v0", "TowerOfHanoi-v0", "Minesweeper-v0", "FifteenPuzzle-v0", "FrozenLake-v0",
                  "2048-v0", "Mastermind-v0", "Blackjack-v0",
                  "TicTacToe-v0", "ConnectFour-v0", "Othello-v0", "KuhnPoker-v0", "IteratedRockPaperScissors-v0")
@@ -114,23 +114,28 @@ def _make(name: str, kwargs: Mapping[str, Any], seed: int, num_players: int, sta
 
 def _players(name: str) -> int:
     """1 or 2: the seats the game plays with; ValueError where TextArena cannot make it here or
-    it needs more seats. The game states tell: TextArena's games assert their player count."""
+    it is not a one- or two-player game. TextArena's game states assert their player count."""
     ta = _ta()
-    why = ""
     for n, state_type in ((1, ta.SinglePlayerState), (2, ta.TwoPlayerState)):
         try:
             game = _make(name, {}, 0, n, [None, None])
-        except AssertionError:
-            continue
-        except Exception as e:  # a missing corpus or API key, code this Python cannot import, a data file
-            why = f"{type(e).__name__}: {str(e).strip()[:300]}"
-            if isinstance(e, (ImportError, SyntaxError, LookupError, FileNotFoundError, OSError)) or "API key" in why:
-                break
+        except (ImportError, SyntaxError, LookupError, OSError) as e:
+            # A missing package or NLTK corpus, code this Python cannot compile, a missing data file.
+            raise ValueError(f"TextArena cannot make {name!r} here: {_brief(e)}") from None
+        except Exception as e:  # a seat count the game refuses, or a missing API key
+            if "API key" in str(e):
+                raise ValueError(f"TextArena cannot make {name!r} here: {_brief(e)}") from None
             continue
         if isinstance(game.state, state_type):
             return n
-    raise ValueError(f"TextArena cannot make {name!r} here as a one- or two-player game"
-                     + (f" ({why})" if why else "") + "; envserve serves TextArena's one- and two-player games")
+    raise ValueError(f"{name!r} is not one of TextArena's one- or two-player games (on its SinglePlayerState "
+                     f"or TwoPlayerState), which are what envserve serves")
+
+
+def _brief(e: Exception) -> str:
+    # NLTK's lookup errors come framed in asterisks and colour codes.
+    text = re.sub(r"\x1b\[[0-9;]*m|\*{3,}", " ", str(e))
+    return f"{type(e).__name__}: {' '.join(text.split())[:300]}"
 
 
 def _start(name: str, seed: int, n: int) -> str:
