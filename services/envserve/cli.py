@@ -41,6 +41,8 @@ def _server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--external-address", default=env("ENVSERVE_EXTERNAL_ADDRESS", ""),
                    help="host:port reachable from outside, e.g. a published port [$ENVSERVE_EXTERNAL_ADDRESS]")
     p.add_argument("--heartbeat-seconds", type=float, default=float(env("ENVSERVE_HEARTBEAT_SECONDS", "2.0")))
+    p.add_argument("--heartbeat-on-change-seconds", type=float, default=0.25,
+                   help="also heartbeat this soon after the live-session count changed (0: off)")
     p.add_argument("--token-file", default=env("ENVSERVE_TOKEN_FILE", ""),
                    help="bearer tokens, one per line (also $ENVSERVE_TOKENS, comma separated)")
     p.add_argument("--state-token-file", default=env("ENVSERVE_STATE_TOKEN_FILE", ""),
@@ -63,6 +65,7 @@ def _config(args, env_ids):
                         openenv_host=args.openenv_host, openenv_idle_seconds=args.openenv_idle_seconds,
                         directory_url=args.directory, advertise_address=args.advertise,
                         external_address=args.external_address, heartbeat_seconds=args.heartbeat_seconds,
+                        heartbeat_on_change_seconds=args.heartbeat_on_change_seconds,
                         tokens=read_tokens(args.token_file, os.environ.get("ENVSERVE_TOKENS", "")),
                         state_tokens=read_tokens(args.state_token_file, os.environ.get("ENVSERVE_STATE_TOKENS", "")),
                         tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,

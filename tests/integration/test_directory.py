@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from envserve.client import RoutedClient, check
+from envserve.client import EnvClient, RoutedClient, check
 from envserve.directory import ReplicaInfo, open_directory, replica_of
 from envserve.directory.memory import MemoryDirectory
 from serverproc import ServerProcess
@@ -103,6 +103,35 @@ def test_opens_in_flight_are_counted_so_concurrent_openers_spread():
     for rid, (n, entry) in claims:
         client.settle(rid, entry, 0 if rid == "a" else n)   # a's Opens failed
     assert loads() == {"a": 0, "b": 3, "c": 3}
+
+
+def test_a_replica_heartbeats_soon_after_its_sessions_change(redis_server):
+    """Replicas with a 30 s heartbeat list another client's closes within a fraction of that, so
+    a router opening next fills the replica just emptied instead of the fuller one."""
+    url = redis_server.url + "?prefix=on-change"
+    a, b = (ServerProcess(["sokoban"], workers=1, metrics=False, extra=[
+        "--directory", url, "--heartbeat-seconds", "30", "--replica-id", rid]) for rid in ("slow-a", "slow-b"))
+    try:
+        directory = open_directory(url)
+        _wait_listed(directory, ["slow-a", "slow-b"])
+        opener = RoutedClient(url, recovery=False)
+        ids = opener.open("sokoban", 4)
+        assert sorted(replica_of(s) for s in ids) == ["slow-a", "slow-a", "slow-b", "slow-b"]
+        # Another client closes a's two sessions: no router saw it, only a's count can tell.
+        with EnvClient(a.address) as other:
+            assert [st.code for st in other.close_sessions([s for s in ids if replica_of(s) == "slow-a"])] == [0, 0]
+        listed = lambda: {r.replica_id: r.live_sessions for r in directory.replicas()}  # noqa: E731
+        deadline = time.monotonic() + 15  # half a period: only a heartbeat on the change gets there
+        while listed() != {"slow-a": 0, "slow-b": 2} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert listed() == {"slow-a": 0, "slow-b": 2}
+        fresh = RoutedClient(url, recovery=False)
+        assert [replica_of(s) for s in fresh.open("sokoban", 2)] == ["slow-a", "slow-a"]
+        fresh.close()
+        opener.close()
+    finally:
+        a.kill()
+        b.kill()
 
 
 def _serve(redis_url, replica_id):

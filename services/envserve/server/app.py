@@ -131,12 +131,25 @@ class ReplicaServer:
 
     async def _heartbeat_loop(self) -> None:
         # Heartbeats rewrite the whole record, so a restarted Redis is whole again after one period.
+        # Between them the loop looks at the count every heartbeat_on_change_seconds and beats early
+        # when it changed: a listing's counts are then at most that old, not a period.
+        period = self.config.heartbeat_seconds
+        poll = self.config.heartbeat_on_change_seconds
+        poll = min(poll, period) if poll > 0 else period
+        last, beaten = self._counted(), time.monotonic()
         while True:
-            await asyncio.sleep(self.config.heartbeat_seconds)
+            await asyncio.sleep(poll)
+            now = self._counted()
+            if now == last and time.monotonic() - beaten < period - poll / 2:
+                continue
             try:
                 await self._beat()
             except Exception:
                 log.exception("heartbeat failed")
+            last, beaten = now, time.monotonic()
+
+    def _counted(self) -> tuple[int, bool]:
+        return len(self.replica.sessions), self.replica.draining
 
     @property
     def address(self) -> str:

@@ -43,6 +43,9 @@ class ServerConfig:
     advertise_address: str = ""  # host:port others reach this replica on; default host:port
     external_address: str = ""  # host:port reachable from outside (a published container port)
     heartbeat_seconds: float = 2.0  # the directory forgets a replica after two missed periods
+    # Also heartbeat this soon after the live-session count or the draining flag changed, so routers
+    # see closes and opens well within a period (0: every heartbeat_seconds only).
+    heartbeat_on_change_seconds: float = 0.25
     # Bearer tokens: empty means no authentication. A session belongs to the token that opened it.
     tokens: tuple[str, ...] = ()
     # Tokens for StateService and MonitorService (ground truth): when set, only these read state.
