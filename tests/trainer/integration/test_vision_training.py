@@ -1,4 +1,4 @@
-"""A vision-language policy trained through envserve: VAGEN's visual setting (image-only FrozenLake,
+"""A vision-language policy trained through envserve: VAGEN's visual setting (image-only FrozenLake and Sokoban,
 the grounding_worldmodeling format, the judge's rewards for <observation> and <prediction>, bi-level
 GAE) end to end through a real replica and a real judge, with tiny random-weight Qwen2-VL and
 Idefics3 models; the images a policy reads are exactly the PNGs the replica sent."""
@@ -39,7 +39,7 @@ VAGEN = {
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess(["frozenlake"], workers=1, metrics=False) as s:
+    with ServerProcess(["frozenlake", "sokoban"], workers=1, metrics=False) as s:
         yield s
 
 
@@ -65,10 +65,13 @@ def _replayed_images(address: str, env_config: dict, seed: int, actions: list[st
             c.close_sessions([sid])
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "idefics3"])
-def test_a_vagen_iteration_trains_a_vlm_on_image_only_frozenlake(server, tmp_path, arch):
+@pytest.mark.parametrize(("env_id", "arch"), [("frozenlake", "qwen2_vl"), ("frozenlake", "idefics3"),
+                                              ("sokoban", "qwen2_vl")])
+def test_a_vagen_iteration_trains_a_vlm_on_an_image_only_grid(server, tmp_path, env_id, arch):
     with JudgeProcess(server.address) as judge:
-        cfg = _cfg(model={"random_init": "tiny", "vision": arch})
+        pictures = {"render_image": True, "image_only": True, "image_size": 48}
+        env = {"env_id": env_id, "env_config": VAGEN["env"]["env_config"] if env_id == "frozenlake" else pictures}
+        cfg = _cfg(model={"random_init": "tiny", "vision": arch}, env=env)
         trainer = Trainer(cfg, tmp_path, Connection(env_address=server.address, judge_address=judge.address))
         before = weights_digest(trainer.learner.model)
         critic_before = {k: v.clone() for k, v in trainer.learner.critic.state_dict().items()}
