@@ -195,3 +195,14 @@ def copy_state(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
+def integral_numbers(value: Any) -> Any:
+    """A config value with its integral floats back to ints: a Struct (how Open carries a session's
+    config) holds every number as a double, and packages' own arguments (gym.make's, a dataset's)
+    often want ints."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: integral_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [integral_numbers(v) for v in value]
+    return value

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, seeded_splits
+from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, seeded_splits, integral_numbers
 
 # Ids `envserve ls` and the conformance suite try; those gymnasium cannot make here (a missing
 # Box2D, another version suffix) are left out when listed.
@@ -326,17 +326,6 @@ def to_json(value: Any, ndigits: "int | None" = None, limit: "int | None" = None
     return None
 
 
-def _plain_kwargs(value: Any) -> Any:
-    # Struct carries every number as a float: integral ones go back to int for gym.make.
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, dict):
-        return {k: _plain_kwargs(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain_kwargs(v) for v in value]
-    return value
-
-
 # -- the environment -----------------------------------------------------------------------
 class GymnasiumEnv(Environment):
     """One gymnasium env per session. Subclasses built by make_env_class set spec and gym_id."""
@@ -358,7 +347,7 @@ class GymnasiumEnv(Environment):
         # Images come from rgb_array; the text view switches to ansi only while it renders.
         render_mode = "rgb_array" if self.config.get("render_image") else None
         try:
-            env = _gym().make(self.gym_id, render_mode=render_mode, **_plain_kwargs(dict(kwargs)))
+            env = _gym().make(self.gym_id, render_mode=render_mode, **integral_numbers(dict(kwargs)))
         except Exception as e:  # unknown keyword, bad value: the session's config is wrong
             raise ValueError(f"gymnasium.make({self.gym_id!r}, **{dict(kwargs)!r}) failed: "
                              f"{type(e).__name__}: {e}") from None

@@ -14,7 +14,7 @@ import math
 import re
 from typing import Any, Mapping
 
-from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, Split
+from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, Split, integral_numbers
 
 # Datasets `envserve ls` and the conformance suite try: quick to generate, the same entries in
 # any process. Those this reasoning-gym version lacks are left out.
@@ -103,17 +103,6 @@ def _dataset(name: str, seed: int, size: int, params_json: str):
     return _rg().create_dataset(name, seed=seed, size=size, **json.loads(params_json))
 
 
-def _plain(value: Any) -> Any:
-    # Struct carries every number as a float: integral ones go back to int for dataset configs.
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value
-
-
 def _json_safe(value: Any) -> Any:
     """Entry metadata as plain JSON: tuples become lists, keys strings, other objects their str;
     non-finite floats become strings (Struct and sorted JSON both hold them)."""
@@ -154,7 +143,7 @@ class ReasoningGymEnv(Environment):
             raise ValueError(f"max_attempts must be >= 1, got {cfg['max_attempts']}")
         self._size, self._max_attempts = size, int(cfg["max_attempts"])
         self._threshold = float(cfg["success_threshold"])
-        params_json = json.dumps(_plain(dict(params)), sort_keys=True)
+        params_json = json.dumps(integral_numbers(dict(params)), sort_keys=True)
         self._datasets = []
         for seed in (int(cfg["train_dataset_seed"]), int(cfg["test_dataset_seed"])):
             try:

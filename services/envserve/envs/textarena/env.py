@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, seeded_splits
+from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, seeded_splits, integral_numbers
 
 # Games `envserve ls` and the conformance suite try: they run offline, a seed gives the same game
 # in any process, and their text names at least one legal move at the start (the suite plays
@@ -194,17 +194,6 @@ def _rewards(state) -> "dict[int, float]":
     return out
 
 
-def _plain(value: Any) -> Any:
-    # Struct carries every number as a float: integral ones go back to int for the game's arguments.
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value
-
-
 def _json_safe(value: Any, depth: int = 0) -> Any:
     """Game state as plain JSON, the same in every process: objects become their fields, sets
     sorted lists, non-finite floats strings, and anything else its str."""
@@ -240,7 +229,7 @@ class TextArenaEnv(Environment):
         cfg = self.config
         if not isinstance(cfg["kwargs"], Mapping):
             raise ValueError(f"kwargs must be an object of textarena.make arguments, got {cfg['kwargs']!r}")
-        self._kwargs = _plain(dict(cfg["kwargs"]))
+        self._kwargs = integral_numbers(dict(cfg["kwargs"]))
         self._threshold = float(cfg["success_threshold"])
         # The seat the session plays against the built-in opponent; None when it plays every seat.
         self._seat: "int | None" = 0
