@@ -184,3 +184,141 @@ def test_ls_lists_the_family_with_examples():
     out = subprocess.run([sys.executable, "-m", "envserve.cli", "ls"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "textarena:<id>" in out.stdout and "textarena:TicTacToe-v0" in out.stdout
+
+
+# -- two sessions at a table (opponent "session") --------------------------------------------------
+def _play_seat(stream, sid, moves, seed=4):
+    async def seat():
+        out = [await stream.reset(sid, seed=seed)]
+        for m in moves:
+            if out[-1].done:
+                break
+            out.append(await stream.step(sid, _move(m)))
+        return out
+    return seat()
+
+
+def test_two_sessions_play_tictactoe_to_the_end_over_the_stream(server):
+    # Seat 0 takes the top row while seat 1 plays the middle one, each its own session and rollout.
+    async def main():
+        async with AsyncEnvClient(server.address) as ac:
+            a, b = await ac.open(TTT, 2, {"opponent": "session"}, "no_think")
+            async with ac.stream() as s:
+                r0, r1 = await asyncio.gather(_play_seat(s, a, [0, 1, 2]), _play_seat(s, b, [3, 4, 5]))
+            truths = [state_dict(await ac.get_state(sid, -1)) for sid in (a, b)]
+            statuses = await ac.close_sessions([a, b])
+            return (a, b), r0, r1, truths, statuses
+
+    (a, b), r0, r1, truths, statuses = asyncio.run(main())
+    assert a != b and all(st.code == 0 for st in statuses)
+    assert len(r0) == 4 and len(r1) == 3   # seat 1's third move never comes: the game ended before
+    for seat, results in ((0, r0), (1, r1)):
+        assert all(r.status.code == 0 and r.info["seat"] == seat for r in results)
+        for r in results[:-1]:   # every answer comes at the seat's own turn
+            assert not r.done and r.info["seat_to_move"] == seat
+            assert f"It is Player {seat}'s turn" in r.observation.text
+    assert r1[0].observation.text.count("[0]") >= 1 and "Player 0" in r1[0].observation.text
+    assert r0[1].session_id == a and r1[1].session_id == b
+    # The same last observation, each seat's own reward: seat 0 won on its move, seat 1 lost on it.
+    assert r0[-1].done and r1[-1].done and r0[-1].observation.text == r1[-1].observation.text
+    assert (r0[-1].reward, r0[-1].success) == (1.0, True) and (r1[-1].reward, r1[-1].success) == (-1.0, False)
+    assert r1[-1].reward_components["game"] == -1.0 and dict(r1[-1].info["rewards"]) == {"0": 1.0, "1": -1.0}
+    # Both seats read the one game as ground truth.
+    assert truths[0] == truths[1] and truths[0]["done"] and truths[0]["rewards"] == {"0": 1.0, "1": -1.0}
+
+
+def test_a_seat_waits_for_the_other_in_its_own_unary_calls(client):
+    # Two rollouts in two threads, each stepping its own seat with unary calls.
+    import concurrent.futures
+    a, b = client.open(TTT, 2, {"opponent": "session"}, "no_think")
+
+    def play(sid, moves):
+        out = [client.reset_one(sid, seed=1)]
+        for m in moves:
+            if out[-1].done:
+                break
+            out.append(client.step_one(sid, _move(m)))
+        return out
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        f1 = pool.submit(play, b, [4, 8, 7])
+        f0 = pool.submit(play, a, [0, 2, 6, 3])
+        r0, r1 = f0.result(timeout=60), f1.result(timeout=60)
+    # 0, 4, 2, 8, 6, 7, 3: seat 0 wins down the left column on its fourth move.
+    assert r0[-1].done and r0[-1].reward == 1.0 and r1[-1].done and r1[-1].reward == -1.0
+    assert len(r1) == 4 and not any(r.done for r in r1[:-1])
+    client.close_sessions([a, b])
+
+
+def test_out_of_turn_and_rejected_moves_are_answered_at_once(client):
+    a, b = client.open(TTT, 2, {"opponent": "session"}, "no_think")
+    assert "Player 0" in client.reset_one(a, seed=0).observation.text
+    r = client.step([(b, _move(4))])[0]   # seat 1 before its turn (and before it joined)
+    assert r.status.code == grpc.StatusCode.FAILED_PRECONDITION.value[0] and "Player 0's turn" in r.status.message
+    r = client.step_one(a, _move(9))       # not a cell: the game's reason, and still seat 0's turn
+    assert not r.action_valid and r.info["seat_to_move"] == 0 and not r.done
+    # Two seats of a table in one batch would wait for each other: both are refused, nothing moves.
+    both = client.step([(a, _move(0)), (b, _move(4))])
+    assert all(r.status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "one batch" in r.status.message
+               for r in both)
+    assert state_dict(client.get_state(a, -1))["turn"] == 0
+    client.close_sessions([a, b])
+
+
+def test_a_seat_left_waiting_hears_that_the_other_left(server, client):
+    a, b = client.open(TTT, 2, {"opponent": "session"}, "no_think")
+
+    async def main():
+        async with AsyncEnvClient(server.address) as ac:
+            async with ac.stream() as s:
+                await s.reset(a, seed=0)
+                waiting = asyncio.ensure_future(s.step(a, _move(0)))   # answered at seat 0's next turn
+                await asyncio.sleep(0.2)
+                assert not waiting.done()
+                statuses = await ac.close_sessions([b])
+                return statuses, await waiting
+
+    statuses, r = asyncio.run(main())
+    assert statuses[0].code == 0
+    assert r.status.code == grpc.StatusCode.ABORTED.value[0] and "Player 1 left the table" in r.status.message
+    r = client.step([(a, _move(1))])[0]
+    assert r.status.code == grpc.StatusCode.ABORTED.value[0]
+    client.close_sessions([a])
+    assert client.step([(a, _move(1))])[0].status.code == grpc.StatusCode.NOT_FOUND.value[0]
+
+
+@pytest.mark.parametrize("env_id, count, why", [(TTT, 1, "even count"), (TTT, 3, "even count"),
+                                                (GUESS, 2, "two-player game")])
+def test_a_table_that_cannot_be_seated_is_invalid_argument(client, env_id, count, why):
+    with pytest.raises(EnvServeError) as e:
+        client.open(env_id, count, {"opponent": "session"})
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and why in str(e.value)
+
+
+def test_a_seat_cannot_be_forked(client):
+    a, b = client.open(TTT, 2, {"opponent": "session"}, "no_think")
+    with pytest.raises(EnvServeError) as e:
+        client.fork(a)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "seat" in str(e.value)
+    client.close_sessions([a, b])
+
+
+def test_a_seat_waiting_when_its_worker_dies_hears_that_its_game_is_lost():
+    import os
+    import signal
+    with ServerProcess([TTT], workers=1, metrics=False) as s:
+        async def main():
+            async with AsyncEnvClient(s.address) as ac:
+                a, b = await ac.open(TTT, 2, {"opponent": "session"}, "no_think")
+                async with ac.stream() as st:
+                    await st.reset(a, seed=0)
+                    waiting = asyncio.ensure_future(st.step(a, _move(0)))
+                    await asyncio.sleep(0.2)
+                    os.kill(s.worker_pids()[0], signal.SIGKILL)
+                    r = await asyncio.wait_for(waiting, 60)
+                    later = await st.step(b, _move(4))
+                return r, later
+
+        r, later = asyncio.run(main())
+    assert r.status.code == grpc.StatusCode.DATA_LOSS.value[0] and "died" in r.status.message
+    assert later.status.code == grpc.StatusCode.DATA_LOSS.value[0]

@@ -53,6 +53,9 @@ class EnvSpec:
     # Different seeds give different initial states. False where the start is fixed and the seed
     # only drives the randomness that follows (a fixed map with slippery ice).
     seed_varies_start: bool = True
+    # Players of a game whose seats can be separate sessions at a table (envserve.common.tables); 1
+    # for everything else.
+    seats: int = 1
 
     def config_schema(self) -> dict:
         """JSON schema of the session config, with defaults."""
@@ -134,6 +137,12 @@ class GroundTruth:
     relations: list[str] = field(default_factory=list)
 
 
+# A game with spec.seats > 1 can seat each player as its own session (envserve.common.tables): the
+# server seats them around one session of the game opened with `opponent: "self"`, so such an env
+# accepts "self" and reports whose turn it is (seat_to_move()) and, at the game's end, how each
+# seat came out (info["rewards"] and info["successes"], seat -> value, seats as strings).
+
+
 class Environment:
     """Base class of every environment.
 
@@ -173,6 +182,11 @@ class Environment:
     def valid_actions(self) -> "list[str] | None":
         """The legal primitive actions now (ALFWorld's admissible commands, the open cells of a
         board...), or None when the env cannot list them."""
+        return None
+
+    def seat_to_move(self) -> "int | None":
+        """The seat to move in a game of spec.seats > 1 played by one session for every seat; None
+        when the game is over or the env has no seats (the session then reports no seat)."""
         return None
 
     def anchor_data(self) -> Any:

@@ -273,6 +273,9 @@ class Session:
         result.turn = self.turn
         result.episode = self.episode
         result.trial = self.trial
+        seat = self.env.seat_to_move()
+        if seat is not None:
+            result.info["seat_to_move"] = int(seat)
         if self._replaying:
             pass  # nobody sees a replayed turn's result: skip the listing and the picture
         elif self.config["include_valid_actions"]:

@@ -22,6 +22,7 @@ from . import convert
 from .config import ServerConfig
 from .metrics import Metrics
 from .pool import WorkerHandle, WorkerLost, WorkerPool
+from .tables import Tables, wants_table
 
 log = logging.getLogger("envserve.server")
 OK = 0
@@ -66,6 +67,7 @@ class Replica:
         self._idle = asyncio.Event()
         self._idle.set()
         self._reaper: asyncio.Task | None = None
+        self.tables = Tables(self)
 
     async def start(self, replica_id: str) -> None:
         self.replica_id = replica_id
@@ -123,7 +125,10 @@ class Replica:
         self.metrics.live_sessions.labels(env_id).inc(len(ids))
         self.metrics.replica_live_sessions.set(len(self.sessions))
 
-    def drop_session(self, sid: str) -> SessionRecord | None:
+    def drop_session(self, sid: str, code: str = "ABORTED",
+                     reason: str = "the table's game ended (its session closed or expired)") -> SessionRecord | None:
+        if sid in self.tables.by_host:
+            self.tables.host_ended(sid, code, reason)
         rec = self.sessions.pop(sid, None)
         if rec is not None:
             rec.worker.sessions.discard(sid)
@@ -135,6 +140,8 @@ class Replica:
         until = time.monotonic() + self.config.lost_memory_seconds
         reason = f"its worker process (pid {h.pid}) died"
         for sid in list(h.sessions):
+            for seat in self.tables.host_ended(sid, LOST, f"session lost: {reason}"):
+                self.lost[seat] = (reason, until)
             self.drop_session(sid)
             self.lost[sid] = (reason, until)
         self.metrics.sessions_lost.inc(len(h.sessions))
@@ -179,7 +186,14 @@ class Replica:
     async def close_sessions(self, ids: list[str], owner: str | None = None) -> list[pb.ItemStatus]:
         statuses: list[pb.ItemStatus] = []
         by_worker: dict[int, tuple[WorkerHandle, list[str]]] = {}
+        hosts: list[str] = []
         for sid in ids:
+            if sid in self.tables.by_seat:
+                status, host = self.tables.leave(sid, owner)
+                statuses.append(status)
+                if host is not None:
+                    hosts.append(host)
+                continue
             rec, code, message = self.lookup(sid, owner)
             if rec is None:
                 statuses.append(pb.ItemStatus(code=code_number(code), message=message))
@@ -193,6 +207,8 @@ class Replica:
         for r in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(r, Exception) and not isinstance(r, WorkerLost):
                 log.warning("close failed: %s", r)
+        if hosts:  # every seat of these tables has left
+            await self.close_sessions(hosts)
         return statuses
 
     # -- drain: move the live sessions to other replicas ---------------------------------------
@@ -204,7 +220,8 @@ class Replica:
         self.moving = True
         by_worker: dict[int, tuple[WorkerHandle, list[str]]] = {}
         for sid, rec in self.sessions.items():
-            by_worker.setdefault(rec.worker.slot, (rec.worker, []))[1].append(sid)
+            if sid not in self.tables.by_host:  # a table's seats live in this front: they end here
+                by_worker.setdefault(rec.worker.slot, (rec.worker, []))[1].append(sid)
         replies = await asyncio.gather(*[asyncio.wait_for(self.pool.call(w, "histories", sids),
                                                           max(0.1, deadline - time.monotonic()))
                                          for w, sids in by_worker.values()], return_exceptions=True)
@@ -260,6 +277,9 @@ class Replica:
         Raises Refused with the gRPC status the Open call answers."""
         if self.draining:
             raise Refused(grpc.StatusCode.UNAVAILABLE, "replica is draining; open sessions elsewhere")
+        if wants_table(config) and env_id in self.specs:
+            return await self.tables.open(env_id, count, config, action_format, owner,
+                                          lambda code, message: Refused(getattr(grpc.StatusCode, code), message))
         spec = self.specs.get(env_id)
         if spec is None:
             # An id of a served prefix family that the family cannot build is the caller's mistake.
@@ -329,6 +349,23 @@ class Replica:
 
     async def run_batch(self, items: list[tuple], owner: str = "") -> bytes:
         """The serialized BatchResponse: the workers' framed elements joined in request order."""
+        return b"".join(await self.run_elements(items, owner))
+
+    async def run_elements(self, items: list[tuple], owner: "str | None" = "") -> list[bytes]:
+        """Each item's StepResult framed as an element of BatchResponse.results, in request order.
+        A table's seats take their turns (and may wait for them) beside the workers' items."""
+        if self.tables.by_seat and any(it[1] in self.tables.by_seat for it in items):
+            seated = [i for i, it in enumerate(items) if it[1] in self.tables.by_seat]
+            rest = [i for i, it in enumerate(items) if it[1] not in self.tables.by_seat]
+            turns = [self.tables.run(items[i], owner) if alone else self.tables.refuse_shared_batch(items[i][1])
+                     for i, alone in zip(seated, self.tables.alone_at_table([items[i][1] for i in seated]))]
+            got = await asyncio.gather(self.run_elements([items[i] for i in rest], owner), *turns)
+            out: list = [None] * len(items)
+            for i, element in zip(rest, got[0]):
+                out[i] = element
+            for i, data in zip(seated, got[1:]):
+                out[i] = convert.batch_element(data)
+            return out
         results, groups = self.route(items, owner)
         calls = [self.pool.call(w, "batch", group_items) for w, _, group_items, _ in groups.values()]
         replies = await asyncio.gather(*calls, return_exceptions=True)
@@ -341,7 +378,7 @@ class Replica:
             for i, env_id, (data, seconds) in zip(indices, env_ids, reply):
                 results[i] = data
                 observe(env_id, seconds)
-        return b"".join(results)
+        return results
 
     def lost_result(self, sid: str, exc: BaseException) -> bytes:
         self.metrics.errors.labels(LOST).inc()
@@ -416,6 +453,7 @@ class EnvService(pb_grpc.EnvServiceServicer):
         # Items arriving together are sent to each worker as one message, flushed on the next loop turn.
         outgoing: dict[int, tuple[WorkerHandle, list]] = {}
         state = {"pending": 0, "reading": True, "flush_scheduled": False}
+        seated: set[asyncio.Task] = set()  # seats' turns still waiting
 
         def emit(tag: int, data: bytes) -> None:
             state["pending"] -= 1
@@ -447,6 +485,17 @@ class EnvService(pb_grpc.EnvServiceServicer):
 
                 r.pool.stream(w, [e[1] for e in entries], on_item)
 
+        def seat_answered(turn: asyncio.Task, tag: int, sid: str) -> None:
+            seated.discard(turn)
+            if turn.cancelled():
+                return
+            if turn.exception() is not None:
+                log.error("a seat's turn failed", exc_info=turn.exception())
+                emit(tag, convert.error_result(sid, "INTERNAL", f"{type(turn.exception()).__name__}: "
+                                                               f"{turn.exception()}").SerializeToString())
+                return
+            emit(tag, turn.result())
+
         def accept(it: pb.InteractItem) -> None:
             state["pending"] += 1
             kind = it.WhichOneof("request")
@@ -457,6 +506,11 @@ class EnvService(pb_grpc.EnvServiceServicer):
             else:
                 emit(it.tag, convert.error_result("", "INVALID_ARGUMENT",
                                                   "item holds neither step nor reset").SerializeToString())
+                return
+            if item[1] in r.tables.by_seat:  # answered at the seat's turn, maybe after later items
+                turn = loop.create_task(r.tables.run(item, owner))
+                seated.add(turn)
+                turn.add_done_callback(lambda t, tag=it.tag, sid=item[1]: seat_answered(t, tag, sid))
                 return
             rec, code, message = r.lookup(item[1], owner)
             if rec is None:
@@ -478,7 +532,7 @@ class EnvService(pb_grpc.EnvServiceServicer):
                 wake.set()
 
         r.enter()
-        if r.pool.inline:
+        if r.pool.inline and not r.tables.possible:
             # Items step as they are read, so each request's results are written before the next
             # is read: no reader task and no wake-up between reading and writing (~0.03 ms of a
             # one-session step).
@@ -507,6 +561,8 @@ class EnvService(pb_grpc.EnvServiceServicer):
                     break
         finally:
             reader.cancel()
+            for turn in list(seated):
+                turn.cancel()
             r.leave()
 
     async def Fork(self, request, context):
@@ -514,6 +570,9 @@ class EnvService(pb_grpc.EnvServiceServicer):
         owner = await caller(context, r.auth.env_owner)
         if r.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "replica is draining; fork elsewhere")
+        if request.session_id in r.tables.by_seat:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "a seat at a table cannot be forked: its game is shared with the other seat")
         rec, code, message = r.lookup(request.session_id, owner)
         if rec is None:
             await context.abort(getattr(grpc.StatusCode, code), message)
@@ -618,15 +677,23 @@ class StateService(pb_grpc.StateServiceServicer):
 
     async def GetState(self, request, context):
         owner = await caller(context, self.r.auth.state_owner)
-        rec, code, message = self.r.lookup(request.session_id, owner)
+        sid = request.session_id
+        if sid in self.r.tables.by_seat:  # a seat reads its table's game
+            table, _, code, message = self.r.tables.find(sid, owner)
+            if table is None:
+                await context.abort(getattr(grpc.StatusCode, code), message)
+            sid = table.host
+        rec, code, message = self.r.lookup(sid, owner)
         if rec is None:
             await context.abort(getattr(grpc.StatusCode, code), message)
         episode = request.episode if request.HasField("episode") else None
         trial = request.trial if request.HasField("trial") else None
         try:
-            reply = await self.r.pool.call(rec.worker, "get_state", (request.session_id, request.turn, episode, trial))
+            reply = await self.r.pool.call(rec.worker, "get_state", (sid, request.turn, episode, trial))
         except WorkerLost as e:
             await context.abort(grpc.StatusCode.DATA_LOSS, f"session lost: {e}")
         if reply[0] != "ok":
             await context.abort(getattr(grpc.StatusCode, reply[1]), reply[2])
-        return pb.GetStateResponse.FromString(reply[1])
+        state = pb.GetStateResponse.FromString(reply[1])
+        state.session_id = request.session_id
+        return state

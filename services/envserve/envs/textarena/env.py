@@ -29,7 +29,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, seeded_splits, integral_numbers
+from envserve.common.tables import SELF_PLAY_OPPONENT, TABLE_OPPONENT
+from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, integral_numbers, seeded_splits
 
 # Games `envserve ls` and the conformance suite try: they run offline, a seed gives the same game
 # in any process, and their text names at least one legal move at the start (the suite plays
@@ -44,14 +45,15 @@ from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, 
 EXAMPLE_GAMES = ("GuessTheNumber-v0", "TowerOfHanoi-v0", "Minesweeper-v0", "FifteenPuzzle-v0", "FrozenLake-v0",
                  "2048-v0", "Mastermind-v0", "Blackjack-v0",
                  "TicTacToe-v0", "ConnectFour-v0", "Othello-v0", "KuhnPoker-v0", "IteratedRockPaperScissors-v0")
-OPPONENTS = ("random", "self")
+OPPONENTS = ("random", SELF_PLAY_OPPONENT)
 CONFIG_DEFAULTS = {"kwargs": {}, "success_threshold": 1.0}
 TWO_PLAYER_DEFAULTS = {"opponent": "random", "player_id": 0}
 CONFIG_DOCS = {
     "kwargs": "keyword arguments of textarena.make for this game (board size, max_turns...)",
     "success_threshold": "the episode succeeds when the player's final reward reaches this",
     "opponent": "who plays the other seat: 'random' (a legal move the game's text offers, drawn with the "
-                "session's seed) or 'self' (this session plays both seats in turn)",
+                "session's seed), 'self' (this session plays both seats in turn) or 'session' (each seat is "
+                "its own session: Open an even count, two seats per table)",
     "player_id": "the seat this session plays against the built-in opponent (0 moves first)",
 }
 # Turns per episode the session allows: a backstop, since every game ends itself.
@@ -177,6 +179,7 @@ def make_env_class(name: str) -> type:
         splits=seeded_splits("TextArena reset seeds"),
         supports_snapshot=False,
         seed_varies_start=varies,
+        seats=n,
     )
     safe = re.sub(r"\W", "_", name)
     return type(f"TextArena_{safe}", (TextArenaEnv,),
@@ -234,6 +237,9 @@ class TextArenaEnv(Environment):
         # The seat the session plays against the built-in opponent; None when it plays every seat.
         self._seat: "int | None" = 0
         if self.num_players == 2:
+            if cfg["opponent"] == TABLE_OPPONENT:
+                raise ValueError("opponent 'session' seats each player as a session of its own, which "
+                                 "a server arranges at Open (an even count, two seats per table)")
             if cfg["opponent"] not in OPPONENTS:
                 raise ValueError(f"opponent must be one of {list(OPPONENTS)}, got {cfg['opponent']!r}")
             if cfg["player_id"] not in (0, 1):
@@ -322,6 +328,7 @@ class TextArenaEnv(Environment):
             rewards = _rewards(st)
             reward = rewards.get(pid, 0.0)
             info["rewards"] = {str(p): r for p, r in sorted(rewards.items())}
+            info["successes"] = {str(p): r >= self._threshold for p, r in sorted(rewards.items())}
             info["reason"] = str(st.game_info.get(pid, {}).get("reason") or "")
             # An invalid move past TextArena's allowance ends the game as it scores it: the step is
             # the game's last, so it is reported as played, with the game's reason.
@@ -329,6 +336,11 @@ class TextArenaEnv(Environment):
             info["invalid_move"] = invalid
         return ActionOutcome(reward=reward, done=st.done, success=st.done and reward >= self._threshold,
                              feedback=feedback, components={"game": reward}, info=info)
+
+    def seat_to_move(self) -> "int | None":
+        if self.num_players != 2 or self._state.done:
+            return None
+        return int(self._state.current_player_id)
 
     def render_text(self) -> str:
         st = self._state
