@@ -2,6 +2,7 @@
 # The wire messages the clients take and return (StepResult, Observation...), for code that builds
 # or types them without reaching into the generated package.
 from envserve.v1 import envserve_pb2 as messages
+from envserve.common.tables import sessions_per_table
 from .aio import AsyncEnvClient, InteractStream
 from .client import EnvClient, decode_image, state_dict
 from .errors import (EnvServeError, PermissionDeniedError, ReplicaFullError, SessionLostError,
@@ -15,5 +16,5 @@ from .judge import AsyncJudgeClient, JudgeClient, JudgeTask
 __all__ = [
     "EnvClient", "AsyncEnvClient", "JudgeClient", "AsyncJudgeClient", "JudgeTask", "RoutedClient", "AsyncRoutedClient", "StreamingClient", "RoutedStream", "RecoverySettings", "InteractStream", "decode_image", "state_dict",
     "EnvServeError", "SessionLostError", "SessionNotFoundError", "ReplicaFullError", "UnavailableError",
-    "PermissionDeniedError", "UnauthenticatedError", "check", "item_error", "messages",
+    "PermissionDeniedError", "UnauthenticatedError", "check", "item_error", "messages", "sessions_per_table",
 ]

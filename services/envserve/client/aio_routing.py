@@ -10,6 +10,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import grpc
 
+from envserve.common.tables import count_problem, sessions_per_table
 from envserve.directory import ReplicaInfo, replica_of
 from envserve.v1 import envserve_pb2 as pb
 
@@ -83,9 +84,11 @@ class AsyncRoutedClient(Router):
         tried: set[str] = set()
         last_error: EnvServeError | None = None
         await asyncio.to_thread(self.check_served, env_id)
+        if sessions_per_table(config) > 1 and count_problem(count):
+            raise make_error(grpc.StatusCode.INVALID_ARGUMENT, count_problem(count))
         deadline = self.open_deadline()
         while len(opened) < count:
-            claims = self.claim(env_id, count - len(opened), tried)
+            claims = self.claim(env_id, count - len(opened), tried, sessions_per_table(config))
             if not claims:
                 if time.monotonic() >= deadline or self.listed(env_id):
                     break  # full or refusing replicas answer at once; only an empty listing is waited out

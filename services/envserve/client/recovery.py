@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 import grpc
 
+from envserve.common.tables import sessions_per_table
 from envserve.v1 import envserve_pb2 as pb
 
 from . import _requests as rq
@@ -115,8 +116,8 @@ class SessionTable:
 
     # -- what the clients report -------------------------------------------------------------------
     def opened(self, ids, env_id: str, config: Mapping[str, Any] | None, action_format: str) -> None:
-        if not self.enabled:
-            return
+        if not self.enabled or sessions_per_table(config) > 1:
+            return  # a seat at a table shares its game with another session: replaying one alone cannot rebuild it
         cfg = dict(config) if config else None
         with self._lock:
             for sid in ids:

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import grpc
 
+from envserve.common.tables import count_problem, sessions_per_table
 from envserve.directory import Directory, DirectoryUnavailable, ReplicaInfo, replica_of
 from envserve.v1 import envserve_pb2 as pb
 
@@ -283,9 +284,12 @@ class Router:
             if not entries:
                 del self._opened[replica_id]
 
-    def claim(self, env_id: str, count: int, exclude: set[str] = frozenset()) -> dict[str, tuple[int, list]]:
-        """plan(), each share reserved at once: replica -> (sessions, reservation to settle)."""
-        return {rid: (n, self.reserve(rid, n)) for rid, n in self.plan(env_id, count, exclude).items()}
+    def claim(self, env_id: str, count: int, exclude: set[str] = frozenset(),
+              unit: int = 1) -> dict[str, tuple[int, list]]:
+        """plan(), each share reserved at once: replica -> (sessions, reservation to settle). Shares
+        come in whole units (a table's seats stay on one replica)."""
+        return {rid: (n * unit, self.reserve(rid, n * unit))
+                for rid, n in self.plan(env_id, count // unit, exclude).items()}
 
     def still_listed(self, replica_id: str) -> bool:
         """After a replica stopped answering: is it still registered? (No: it is gone.)"""
@@ -430,10 +434,14 @@ class RoutedClient(Router):
         tried: set[str] = set()
         last_error: EnvServeError | None = None
         remaining = count
+        unit = sessions_per_table(config)
+        if unit > 1 and count_problem(count):
+            raise make_error(grpc.StatusCode.INVALID_ARGUMENT, count_problem(count))
+        per_call = self.max_open_per_call - self.max_open_per_call % unit
         self.check_served(env_id)
         deadline = self.open_deadline()
         while remaining > 0:
-            claims = self.claim(env_id, remaining, tried)
+            claims = self.claim(env_id, remaining, tried, unit)
             if not claims:
                 if time.monotonic() >= deadline or self.listed(env_id):
                     break  # full or refusing replicas answer at once; only an empty listing is waited out
@@ -445,8 +453,8 @@ class RoutedClient(Router):
             for rid, (n, _) in claims.items():
                 r = self._known[rid]
                 stub = self.client_for(r)
-                for start in range(0, n, self.max_open_per_call):
-                    k = min(self.max_open_per_call, n - start)
+                for start in range(0, n, per_call):
+                    k = min(per_call, n - start)
                     req = rq.open_request(env_id, k, config, action_format)
                     calls.append((rid, k, stub.env.Open.future(req, timeout=stub.timeout, metadata=stub.metadata)))
             try:
