@@ -25,6 +25,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from envserve.client import sessions_per_table
+
 from .config import TrainConfig
 from .prompting import ChatLayout, ContextBuilder, reflection_prompt, trajectory_summary
 from .trajectory import Episode, Trial, Turn
@@ -156,6 +158,11 @@ class RolloutEngine:
         ro = self.cfg.rollout
         temperature = ro.temperature if temperature is None else temperature
         n_episodes = ro.episodes_per_trial if episodes_per_trial is None else episodes_per_trial
+        seats = sessions_per_table(self.cfg.env.env_config)
+        if group_size % seats:
+            # Two-player self-play: the seats of a table are consecutive samples of one task.
+            raise ValueError(f"the env config seats players at tables of {seats}: a group of {group_size} "
+                             f"samples per task would split a table between tasks; use a multiple of {seats}")
         sids = await self._ensure_sessions(len(tasks) * group_size)
         runs: list[_Run] = []
         for i, task in enumerate(tasks):
