@@ -79,7 +79,9 @@ class Router:
     sessions on live replicas (True, the default), not (False), or RecoverySettings.
     retire_after_seconds: a replica missing from every successful listing for this long is gone
     (killed, drained, replaced under a new id): its connections are closed, so a long run over
-    replicas that come and go holds connections to the live ones only."""
+    replicas that come and go holds connections to the live ones only. The same holds for an
+    address: a replica restarted under its id elsewhere (a new port, a new pod IP) leaves its old
+    address's connection behind, closed once that address has been unlisted for as long."""
 
     client_class = EnvClient
 
@@ -100,6 +102,7 @@ class Router:
         self._seen: dict[str, ReplicaInfo] = {}  # every replica listed so far, as last listed
         self.retire_after_seconds = retire_after_seconds
         self._missing_since: dict[str, float] = {}  # seen replicas absent from the last listings
+        self._unlisted_since: dict[tuple[str, str], float] = {}  # client keys whose address is not listed
         self._fetched = 0.0
         self._opened: dict[str, list[tuple[float, int]]] = {}  # replica -> (when, n) not yet in its count
         self._clients: dict[tuple[str, str], EnvClient] = {}
@@ -146,22 +149,34 @@ class Router:
 
     def _gone_since(self, now: float) -> list:
         """(Under the lock, after a listing.) The clients of replicas absent from every listing for
-        retire_after_seconds, forgotten. Absent from one listing is not gone: Redis restarted empty
-        lists no one until the replicas' next heartbeats."""
+        retire_after_seconds, and of addresses no replica has been listed at for as long, forgotten.
+        Absent from one listing is not gone: Redis restarted empty lists no one until the replicas'
+        next heartbeats."""
         for rid in self._seen:
             if rid in self._known:
                 self._missing_since.pop(rid, None)
             else:
                 self._missing_since.setdefault(rid, now)
         gone = {rid for rid, t in self._missing_since.items() if now - t >= self.retire_after_seconds}
-        if not gone:
-            return []
         for rid in gone:
             del self._missing_since[rid]
             del self._seen[rid]
+        # A client is kept per (replica, address): a replica listed again under its id at another
+        # address (restarted, rescheduled) leaves the old address's client unused for good.
+        listed = {(rid, self.address(r)) for rid, r in self._known.items()}
+        keys = {k for table in (self._clients, self._blocking) for k in table}
+        for key in list(self._unlisted_since):
+            if key in listed or key not in keys:
+                del self._unlisted_since[key]
+        for key in keys - listed:
+            self._unlisted_since.setdefault(key, now)
+        stale = {k for k, t in self._unlisted_since.items() if now - t >= self.retire_after_seconds}
+        if not gone and not stale:
+            return []
         clients = []
         for table in (self._clients, self._blocking):
-            for key in [k for k in table if k[0] in gone]:
+            for key in [k for k in table if k[0] in gone or k in stale]:
+                self._unlisted_since.pop(key, None)
                 c = table.pop(key)
                 if all(c is not other for other in clients):
                     clients.append(c)
