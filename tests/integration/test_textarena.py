@@ -322,3 +322,39 @@ def test_a_seat_waiting_when_its_worker_dies_hears_that_its_game_is_lost():
         r, later = asyncio.run(main())
     assert r.status.code == grpc.StatusCode.DATA_LOSS.value[0] and "died" in r.status.message
     assert later.status.code == grpc.StatusCode.DATA_LOSS.value[0]
+
+
+def test_a_table_plays_game_after_game_whoever_resets_first(server):
+    async def main():
+        async with AsyncEnvClient(server.address) as ac:
+            a, b = await ac.open(TTT, 2, {"opponent": "session"}, "no_think")
+            games = []
+            async with ac.stream() as s:
+                for seed in (4, 5):
+                    # Seat 1 asks first: its reset is answered at its first turn of the game seat 0 starts.
+                    joined = asyncio.ensure_future(_play_seat(s, b, [3, 4, 5], seed=seed))
+                    await asyncio.sleep(0.1)
+                    games.append((await _play_seat(s, a, [0, 1, 2], seed=seed), await joined))
+                # Seat 0 starting again mid-game ends the turn seat 1 was waiting for.
+                await s.reset(a, seed=6)
+                joined = asyncio.ensure_future(s.reset(b, seed=6))
+                moved = asyncio.ensure_future(s.step(a, _move(0)))
+                first = await joined
+                waiting = asyncio.ensure_future(s.step(b, _move(4)))
+                answered = await moved                  # seat 1 moved: seat 0's turn again
+                restarted = await s.reset(a, seed=7)
+                cut = await waiting
+            await ac.close_sessions([a, b])
+            return games, (first, answered), restarted, cut
+
+    games, (first, answered), restarted, cut = asyncio.run(main())
+    for r0, r1 in games:
+        assert [r.status.code for r in r0 + r1] == [0] * (len(r0) + len(r1))
+        assert r0[-1].reward == 1.0 and r1[-1].reward == -1.0 and len(r1) == 3
+        assert r1[0].info["seat_to_move"] == 1 and "[0]" not in r1[0].observation.text.split("Available Moves")[-1]
+    assert games[0][0][-1].episode == games[1][0][-1].episode   # each game is a new task (trial), episode 0
+    assert games[1][0][-1].trial == games[0][0][-1].trial + 1
+    assert first.status.code == 0 and first.info["seat_to_move"] == 1
+    assert answered.status.code == 0 and answered.info["seat_to_move"] == 0
+    assert restarted.status.code == 0 and restarted.info["seat_to_move"] == 0
+    assert cut.status.code == grpc.StatusCode.ABORTED.value[0] and "new game" in cut.status.message

@@ -11,6 +11,7 @@ from envserve.v1 import envserve_pb2 as pb
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
 
 from . import _requests as rq
+from . import seats
 from .client import auth_metadata, make_channel
 from .errors import from_rpc_error
 
@@ -41,6 +42,7 @@ class AsyncEnvClient:
                                action_format: str = "") -> tuple[list[str], str]:
         """(session ids, the system prompt they share: the env's rules plus the answer format)."""
         r = await self._call(self.env.Open, rq.open_request(env_id, count, config, action_format))
+        seats.note_opened(r.session_ids, config)
         return list(r.session_ids), r.system_prompt
 
     async def list_envs(self) -> list[pb.EnvSpec]:
@@ -61,6 +63,7 @@ class AsyncEnvClient:
         return list((await self._call(self.env.Fork, pb.ForkRequest(session_id=session_id, count=count))).session_ids)
 
     async def close_sessions(self, session_ids: Sequence[str]) -> list[pb.ItemStatus]:
+        seats.note_closed(session_ids)
         return list((await self._call(self.env.Close, pb.CloseRequest(session_ids=list(session_ids)))).statuses)
 
     async def restore(self, histories: Sequence[pb.SessionHistory]) -> pb.RestoreResponse:
@@ -262,7 +265,7 @@ class InteractStream:
 
     async def _exchange(self, item: pb.InteractItem) -> pb.StepResult:
         if (self._reader is None and self._alone is None and self._writer is None and not self.in_flight
-                and not self._closing):
+                and not self._closing and not seats.is_seat(_session_of(item))):
             return await self._exchange_alone(item)
         tag = self._send([item])[0]
         fut = asyncio.get_running_loop().create_future()
@@ -326,6 +329,10 @@ class InteractStream:
                 if not fut.done():
                     fut.set_exception(error)
             self._waiters.clear()
+
+
+def _session_of(item: pb.InteractItem) -> str:
+    return item.step.session_id if item.HasField("step") else item.reset.session_id
 
 
 def _task_cancelled() -> bool:

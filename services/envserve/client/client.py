@@ -10,6 +10,7 @@ from envserve.v1 import envserve_pb2 as pb
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
 
 from . import _requests as rq
+from . import seats
 from .errors import check, from_rpc_error
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -91,7 +92,9 @@ class EnvClient(ChannelOwner):
     def open_sessions(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
                       action_format: str = "") -> pb.OpenResponse:
         """Open, returning the whole reply: ids, lease and the sessions' system prompt."""
-        return self._call(self.env.Open, rq.open_request(env_id, count, config, action_format))
+        r = self._call(self.env.Open, rq.open_request(env_id, count, config, action_format))
+        seats.note_opened(r.session_ids, config)
+        return r
 
     def reset(self, session_ids: Sequence[str], seeds: "int | Sequence[int | None] | None" = None,
               task_id: str = "", split: str = "", same_task: bool = False) -> list[pb.StepResult]:
@@ -111,6 +114,7 @@ class EnvClient(ChannelOwner):
         return list(self._call(self.env.Fork, pb.ForkRequest(session_id=session_id, count=count)).session_ids)
 
     def close_sessions(self, session_ids: Sequence[str]) -> list[pb.ItemStatus]:
+        seats.note_closed(session_ids)
         return list(self._call(self.env.Close, pb.CloseRequest(session_ids=list(session_ids))).statuses)
 
     def restore(self, histories: Sequence[pb.SessionHistory]) -> pb.RestoreResponse:

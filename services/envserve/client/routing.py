@@ -23,6 +23,7 @@ from envserve.directory import Directory, DirectoryUnavailable, ReplicaInfo, rep
 from envserve.v1 import envserve_pb2 as pb
 
 from . import _requests as rq
+from . import seats
 from .addresses import directory_for
 from .client import EnvClient
 from .errors import EnvServeError, UnavailableError, from_rpc_error, make_error
@@ -499,6 +500,7 @@ class RoutedClient(Router):
             raise UnavailableError(grpc.StatusCode.UNAVAILABLE,
                                    f"no live replica serving {env_id!r} has room for {count} sessions")
         self.sessions.opened(opened, env_id, config, action_format)
+        seats.note_opened(opened, config)
         return pb.OpenResponse(session_ids=opened, lease_seconds=lease, system_prompt=prompt)
 
     def open(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
@@ -614,6 +616,7 @@ class RoutedClient(Router):
             return []
         real = [self.sessions.current(s) for s in ids]
         self.sessions.closed(ids)
+        seats.note_closed(ids)
         results = self._fan_out(real, lambda s: s, "Close", lambda sids: pb.CloseRequest(session_ids=sids),
                                 "statuses")
         # Close answers statuses, not StepResults; _fan_out placed either kind.
