@@ -41,11 +41,13 @@ GRID = {"sokoban": ["Up", "Right", "Down", "Left"], "frozenlake": ["Right", "Dow
 JUDGED = {"sokoban", "frozenlake"}  # the rule judge's envs
 ENDED = 9  # FAILED_PRECONDITION: stepping an episode that is over
 FAULTS = ["worker", "replica", "redis", "drain"]
-METRICS = ["rss_mb", "pss_mb", "threads", "fds", "processes", "jvms"]
+# PSS charges each process a share of the library pages it maps, so it moves as other processes on
+# the machine start and stop; USS (the pages only this process holds) is the figure for leaks.
+METRICS = ["rss_mb", "pss_mb", "uss_mb", "threads", "fds", "processes", "jvms"]
 
 
 def tree_stats(pid: int) -> dict:
-    """RSS, PSS (MiB), threads, fds, processes and JVMs of a process and everything under it."""
+    """RSS, PSS, USS (MiB), threads, fds, processes and JVMs of a process and everything under it."""
     out = dict.fromkeys(METRICS, 0)
     try:
         root = psutil.Process(pid)
@@ -57,6 +59,7 @@ def tree_stats(pid: int) -> dict:
             mem = p.memory_full_info()
             out["rss_mb"] += mem.rss / 2**20
             out["pss_mb"] += getattr(mem, "pss", mem.rss) / 2**20
+            out["uss_mb"] += getattr(mem, "uss", mem.rss) / 2**20
             out["threads"] += p.num_threads()
             out["fds"] += p.num_fds()
             out["processes"] += 1
@@ -95,10 +98,11 @@ class Stack:
             roots = {f"{rid}:{p.proc.pid}": p.proc.pid for rid, p in self.replicas.items()}
         roots[f"judge:{self.judge.proc.pid}"] = self.judge.proc.pid
         total = dict.fromkeys(METRICS, 0)
-        trees = {}
+        trees, private = {}, {}
         for name, pid in roots.items():
             stats = tree_stats(pid)
             trees[name] = round(stats["pss_mb"], 1)
+            private[name] = round(stats["uss_mb"], 1)
             for k, v in stats.items():
                 total[k] += v
         me = psutil.Process()
@@ -106,7 +110,7 @@ class Stack:
         return {**{k: round(v, 1) for k, v in total.items()}, "live_sessions": self.live_sessions(),
                 "judge_fds": judge["fds"], "judge_threads": judge["threads"],
                 "client_rss_mb": round(me.memory_info().rss / 2**20, 1), "client_threads": me.num_threads(),
-                "client_fds": me.num_fds(), "tree_pss_mb": trees}
+                "client_fds": me.num_fds(), "tree_pss_mb": trees, "tree_uss_mb": private}
 
     def fault(self, kind: str, rng: random.Random, targets: int) -> None:
         with self.lock:
@@ -308,16 +312,19 @@ def main() -> None:
         mean_pss = sum(s["pss_mb"] for _, s in kept) / max(1, len(kept))
         # Per process tree (a replica under one pid, the judge): the growth of each tree that lived
         # through the whole window after warm-up, in percent of its mean per hour.
-        per_tree = {}
-        for name in kept[0][1]["tree_pss_mb"] if kept else []:
-            series = [(t, s["tree_pss_mb"][name]) for t, s in kept if name in s["tree_pss_mb"]]
-            if len(series) == len(kept):
-                mean = sum(v for _, v in series) / len(series)
-                per_tree[name] = round(100 * slope_per_hour(series) / mean, 2) if mean else 0.0
+        def per_tree(key: str) -> dict:
+            out = {}
+            for name in kept[0][1][key] if kept else []:
+                series = [(t, s[key][name]) for t, s in kept if name in s[key]]
+                if len(series) == len(kept):
+                    mean = sum(v for _, v in series) / len(series)
+                    out[name] = round(100 * slope_per_hour(series) / mean, 2) if mean else 0.0
+            return out
         out = {"minutes": args.minutes, "envs": envs, **counts.c, "faults": faults,
                "baseline": baseline, "final": final, "slope_per_hour": slopes,
                "pss_growth_percent_per_hour": round(100 * slopes["pss_mb"] / mean_pss, 2) if mean_pss else 0.0,
-               "tree_pss_growth_percent_per_hour": per_tree,
+               "tree_pss_growth_percent_per_hour": per_tree("tree_pss_mb"),
+               "tree_uss_growth_percent_per_hour": per_tree("tree_uss_mb"),
                "samples": len(samples), "failures": counts.failures,
                "left_behind": {"sessions": final["live_sessions"],
                                "processes": final["processes"] - baseline["processes"],
