@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf import json_format
 
+from envserve.common.tables import sessions_per_table
 from envserve.core.env import resolve_config
 from envserve.core.registry import UnknownEnvironment, get_env_class, prefix_of
 from envserve.core.session import full_spec
@@ -22,7 +23,7 @@ from . import convert
 from .config import ServerConfig
 from .metrics import Metrics
 from .pool import WorkerHandle, WorkerLost, WorkerPool
-from .tables import Tables, wants_table
+from .tables import Tables
 
 log = logging.getLogger("envserve.server")
 OK = 0
@@ -125,10 +126,9 @@ class Replica:
         self.metrics.live_sessions.labels(env_id).inc(len(ids))
         self.metrics.replica_live_sessions.set(len(self.sessions))
 
-    def drop_session(self, sid: str, code: str = "ABORTED",
-                     reason: str = "the table's game ended (its session closed or expired)") -> SessionRecord | None:
+    def drop_session(self, sid: str) -> SessionRecord | None:
         if sid in self.tables.by_host:
-            self.tables.host_ended(sid, code, reason)
+            self.tables.host_ended(sid, "ABORTED", "the table's game ended (its session closed or expired)")
         rec = self.sessions.pop(sid, None)
         if rec is not None:
             rec.worker.sessions.discard(sid)
@@ -277,7 +277,7 @@ class Replica:
         Raises Refused with the gRPC status the Open call answers."""
         if self.draining:
             raise Refused(grpc.StatusCode.UNAVAILABLE, "replica is draining; open sessions elsewhere")
-        if wants_table(config) and env_id in self.specs:
+        if sessions_per_table(config) > 1 and env_id in self.specs:
             return await self.tables.open(env_id, count, config, action_format, owner,
                                           lambda code, message: Refused(getattr(grpc.StatusCode, code), message))
         spec = self.specs.get(env_id)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from google.protobuf import json_format
 
-from envserve.common.tables import SELF_PLAY_OPPONENT, SEATS_PER_TABLE, TABLE_OPPONENT, count_problem
+from envserve.common.tables import SELF_PLAY_OPPONENT, SEATS_PER_TABLE, count_problem
 from envserve.rpc.values import code_number
 from envserve.v1 import envserve_pb2 as pb
 
@@ -58,10 +58,6 @@ class Table:
     over: bool = True
     # Why the table is over for good (a seat left), answered to the other seat's calls.
     ended: str = ""
-
-
-def wants_table(config: dict) -> bool:
-    return config.get("opponent") == TABLE_OPPONENT
 
 
 def _error(sid: str, code: str, message: str) -> pb.StepResult:
