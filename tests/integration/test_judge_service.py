@@ -240,3 +240,47 @@ def test_cli_refuses_bad_settings(args, message):
                          capture_output=True, text=True, timeout=60,
                          env={k: v for k, v in os.environ.items() if not k.startswith("ENVSERVE_")})
     assert out.returncode == 2 and message in out.stderr
+
+
+def test_truth_records_are_shared_while_fresh_and_dropped_by_age_and_count(client, grid_server):
+    """The judge's cache of ground truth: a second read of a turn is the same record, a record
+    unused for its age limit is dropped (so memory levels off at the rate of new turns), and the
+    count bound holds."""
+    from envserve.client import AsyncEnvClient
+    from envserve.judge.service import TruthCache
+
+    sid = opened(client, "sokoban", 3)
+    client.step({sid: "<answer>Left</answer>"})
+    client.step({sid: "<answer>Right</answer>"})
+    now = [0.0]
+
+    async def main():
+        async with AsyncEnvClient(grid_server.address) as source:
+            cache = TruthCache(source, size=2, max_age_seconds=60.0, clock=lambda: now[0])
+            first = await cache.get(sid, 0, None, None)
+            again = await cache.get(sid, 0, first["episode"], first["trial"])
+            assert again is first and len(cache) == 1
+            now[0] = 30.0
+            await cache.get(sid, 1, first["episode"], first["trial"])
+            await cache.get(sid, 2, first["episode"], first["trial"])
+            assert len(cache) == 2, "the count bound drops the least recently used"
+            refetched = await cache.get(sid, 0, first["episode"], first["trial"])
+            assert refetched is not first and refetched == first
+            now[0] = 200.0
+            turn2 = await cache.get(sid, 2, first["episode"], first["trial"])
+            assert len(cache) == 1 and turn2["turn"] == 2, "records unused for 60 s are gone"
+
+    asyncio.run(main())
+    client.close_sessions([sid])
+
+
+def test_truth_cache_bounds_are_checked(tmp_path):
+    from envserve.judge.app import JudgeServerConfig
+    with pytest.raises(ValueError, match="truth_cache_seconds"):
+        JudgeServerConfig(env_address="127.0.0.1:1", truth_cache_seconds=0)
+    settings = tmp_path / "judge.json"
+    settings.write_text('{"truth_cache_records": 0}')
+    out = subprocess.run([sys.executable, "-m", "envserve.cli", "judge", "--port", "0", "--env-address",
+                          "127.0.0.1:1", "--config", str(settings)], capture_output=True, text=True, timeout=60,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("ENVSERVE_")})
+    assert out.returncode == 2 and "truth_cache_records" in out.stderr

@@ -54,6 +54,10 @@ class JudgeServerConfig:
     judges: Mapping[str, str] = field(default_factory=dict)
     fallback: str = ""
     max_concurrent_items: int = 64
+    # Ground-truth records kept for the reads that share them (grounding of t+1, world modelling of
+    # t): at most this many, each dropped once unused for this long.
+    truth_cache_records: int = 4096
+    truth_cache_seconds: float = 600.0
     metrics_port: int = -1
     metrics_host: str = "127.0.0.1"
     tokens: tuple[str, ...] = ()
@@ -64,6 +68,9 @@ class JudgeServerConfig:
     def __post_init__(self) -> None:
         if bool(self.env_address) == bool(self.directory_url):
             raise ValueError("give exactly one of env_address (HOST:PORT) and directory_url (redis://...)")
+        if self.truth_cache_records < 1 or self.truth_cache_seconds <= 0:
+            raise ValueError(f"truth_cache_records must be >= 1 and truth_cache_seconds > 0, got "
+                             f"{self.truth_cache_records} and {self.truth_cache_seconds}")
 
     @staticmethod
     def read_file(path: str) -> dict[str, Any]:
@@ -78,7 +85,8 @@ class JudgeServerConfig:
             data = yaml.safe_load(text) or {}
         else:
             data = json.loads(text or "{}")
-        unknown = set(data) - {"scoring", "llm", "judges", "fallback", "max_concurrent_items"}
+        unknown = set(data) - {"scoring", "llm", "judges", "fallback", "max_concurrent_items",
+                               "truth_cache_records", "truth_cache_seconds"}
         if unknown:
             raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
         return data
@@ -116,7 +124,7 @@ class JudgeServer:
     async def start(self) -> int:
         self.source = truth_source(self.config)
         self.core = JudgeCore(self.source, self.selection, self.scoring, self.config.max_concurrent_items,
-                              self.metrics)
+                              self.metrics, self.config.truth_cache_records, self.config.truth_cache_seconds)
         self.server = grpc.aio.server(options=server_options())
         add_service(pb_grpc.add_JudgeServiceServicer_to_server,
                     JudgeServicer(self.core, Authenticator(self.config.tokens)), self.server)

@@ -52,24 +52,46 @@ def record_of(response: pb.GetStateResponse) -> dict[str, Any]:
 
 class TruthCache:
     """Recent GetState records by (session, trial, episode, turn). The grounding of turn t+1 and the
-    world modelling of turn t read the same record; a record never changes once written."""
+    world modelling of turn t read the same record; a record never changes once written.
 
-    def __init__(self, source: TruthSource, size: int = 4096):
-        self.source, self.size = source, size
-        self._records: OrderedDict[tuple[str, int, int, int], dict] = OrderedDict()
+    Bounded by count and by age: the reads that share a record come within seconds of each other,
+    so a record unused for `max_age_seconds` is dropped, and a judge's memory levels off within
+    minutes at its rate of new turns instead of filling to `size` over hours."""
+
+    def __init__(self, source: TruthSource, size: int = 4096, max_age_seconds: float = 600.0,
+                 clock=time.monotonic):
+        if size < 1 or max_age_seconds <= 0:
+            raise ValueError(f"truth cache needs size >= 1 and max_age_seconds > 0, got {size}, {max_age_seconds}")
+        self.source, self.size, self.max_age_seconds, self.clock = source, size, max_age_seconds, clock
+        # Least recently used first; each entry is (last use, record).
+        self._records: OrderedDict[tuple[str, int, int, int], tuple[float, dict]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._records)
 
     async def get(self, session_id: str, turn: int, episode: int | None, trial: int | None) -> dict:
+        now = self.clock()
+        self._expire(now)
         key = (session_id, trial, episode, turn)
         if trial is not None and trial >= 0 and episode is not None and episode >= 0:
             hit = self._records.get(key)
             if hit is not None:
+                self._records[key] = (now, hit[1])
                 self._records.move_to_end(key)
-                return hit
+                return hit[1]
         record = record_of(await self.source.get_state(session_id, turn, episode, trial))
-        self._records[(session_id, record["trial"], record["episode"], record["turn"])] = record
+        self._records[(session_id, record["trial"], record["episode"], record["turn"])] = (self.clock(), record)
         while len(self._records) > self.size:
             self._records.popitem(last=False)
         return record
+
+    def _expire(self, now: float) -> None:
+        oldest = now - self.max_age_seconds
+        while self._records:
+            used, _ = next(iter(self._records.values()))
+            if used >= oldest:
+                break
+            self._records.popitem(last=False)
 
 
 class JudgeSelection:
@@ -130,10 +152,11 @@ class JudgeCore:
     """The service's logic without gRPC: prepare (fetch truth), count repetitions, score."""
 
     def __init__(self, source: TruthSource, selection: JudgeSelection, config: JudgeConfig | None = None,
-                 max_concurrent_items: int = 64, metrics: JudgeMetrics | None = None):
+                 max_concurrent_items: int = 64, metrics: JudgeMetrics | None = None,
+                 truth_cache_records: int = 4096, truth_cache_seconds: float = 600.0):
         self.config = config or JudgeConfig()
         self.selection = selection
-        self.truth = TruthCache(source)
+        self.truth = TruthCache(source, truth_cache_records, truth_cache_seconds)
         self.repetition = RepetitionPenalty(self.config)
         self.limit = asyncio.Semaphore(max_concurrent_items)
         self.metrics = metrics or JudgeMetrics()
