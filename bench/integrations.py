@@ -16,6 +16,7 @@ moves, the last push ends the episode) and is reset, outside the timing, when it
   endpoint against OpenEnv's server, run as is and its ratios reported here.
 
     .venv/bin/python bench/integrations.py --json
+    .venv/bin/python bench/integrations.py --json --serial-only --rounds 7   # the serial part alone
 """
 from __future__ import annotations
 
@@ -238,8 +239,22 @@ def concurrent(side: str, target: str, processes: int, threads: int, seconds: fl
 
 
 # -- the parent ------------------------------------------------------------------------------------
+def replicas(args, env_vars: dict) -> dict:
+    """64 TRL rollouts given a redis:// directory of 3 replicas: sessions per replica, steps/s."""
+    from serverproc import Cluster, RedisProcess
+    with RedisProcess() as redis:
+        cluster = Cluster(redis.url, [ENV_ID], ["rep-0", "rep-1", "rep-2"], workers=1, env_vars=env_vars)
+        try:
+            print("concurrent trl over 3 replicas...", file=sys.stderr, flush=True)
+            res = concurrent("trl", redis.url, args.processes, args.threads, args.seconds)
+            counts = [res["replicas"].get(rid, 0) for rid in ("rep-0", "rep-1", "rep-2")]
+            return {**res, "sessions_by_replica": counts, "most_over_least": round(max(counts) / max(1, min(counts)), 3)}
+        finally:
+            cluster.close()
+
+
 def run(args) -> dict:
-    from serverproc import Cluster, RedisProcess, ServerProcess
+    from serverproc import ServerProcess
 
     out: dict = {"cpu_count": os.cpu_count(), "load_average_at_start": os.getloadavg(),
                  "rollouts": args.processes * args.threads}
@@ -254,7 +269,7 @@ def run(args) -> dict:
                     targets = {"openenv": oe.url, "envserve": es.address}
                     print(f"serial against envserve {name}...", file=sys.stderr, flush=True)
                     out[f"serial_{name}"] = serial(targets, args.rounds, args.calls, list(SERIAL_SIDES))
-                    if name == "workers" or args.concurrent_inline:
+                    if not args.serial_only and (name == "workers" or args.concurrent_inline):
                         res = {}
                         for r in range(args.rounds):
                             for side in CONCURRENT_SIDES[r % 3:] + CONCURRENT_SIDES[:r % 3]:
@@ -269,16 +284,8 @@ def run(args) -> dict:
                             for side, runs in res.items()}
         finally:
             oe.kill()
-        with RedisProcess() as redis:
-            cluster = Cluster(redis.url, [ENV_ID], ["rep-0", "rep-1", "rep-2"], workers=1, env_vars=env_vars)
-            try:
-                print("concurrent trl over 3 replicas...", file=sys.stderr, flush=True)
-                res = concurrent("trl", redis.url, args.processes, args.threads, args.seconds)
-                counts = [res["replicas"].get(rid, 0) for rid in ("rep-0", "rep-1", "rep-2")]
-                out["replicas"] = {**res, "sessions_by_replica": counts,
-                                   "most_over_least": round(max(counts) / max(1, min(counts)), 3)}
-            finally:
-                cluster.close()
+        if not args.serial_only:
+            out["replicas"] = replicas(args, env_vars)
     if args.endpoint:
         print("OpenEnv endpoint (bench/openenv_endpoint.py)...", file=sys.stderr, flush=True)
         proc = subprocess.run([sys.executable, str(BENCH / "openenv_endpoint.py"), "--json", "--sides",
@@ -292,6 +299,9 @@ def run(args) -> dict:
         s = out[f"serial_{name}"]
         for side in SERIAL_SIDES[1:]:
             ratios[f"serial_{name}_{side}_p50_over_openenv"] = round(s[side]["p50_ms"] / s["openenv_sync"]["p50_ms"], 3)
+            # Paired by round (the sides of a round run back to back): steadier where other load comes and goes.
+            by_round = [a / b for a, b in zip(s[side]["p50_ms_by_round"], s["openenv_sync"]["p50_ms_by_round"])]
+            ratios[f"serial_{name}_{side}_p50_over_openenv_paired"] = round(statistics.median(by_round), 3)
     for name in ("inline", "workers"):
         c = out.get(f"concurrent_{name}")
         if c:
@@ -312,6 +322,7 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--concurrent-inline", action="store_true", help="also the concurrent runs against --inline")
     ap.add_argument("--endpoint", action="store_true", help="also bench/openenv_endpoint.py's 64-socket run")
+    ap.add_argument("--serial-only", action="store_true", help="only the serial measurements")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--drive", help=argparse.SUPPRESS)
     ap.add_argument("--target", help=argparse.SUPPRESS)
