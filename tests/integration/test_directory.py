@@ -105,6 +105,23 @@ def test_opens_in_flight_are_counted_so_concurrent_openers_spread():
     assert loads() == {"a": 0, "b": 3, "c": 3}
 
 
+def test_routers_reading_one_listing_break_ties_apart():
+    """Trainer processes opening at once read the same listing of equally loaded replicas: each
+    router breaks the tie in its own order, so their first sessions do not all land on one replica,
+    even where every process seeded Python's random alike."""
+    import random
+    d = MemoryDirectory()
+    for rid in ("a", "b", "c"):
+        d.heartbeat(ReplicaInfo(replica_id=rid, address=f"{rid}:1", envs=["sokoban"], capacity=100,
+                                counted_unix=time.time()), 60)
+    firsts = []
+    for _ in range(60):
+        random.seed(0)
+        (rid,) = RoutedClient(d).plan("sokoban", 1)
+        firsts.append(rid)
+    assert set(firsts) == {"a", "b", "c"}, firsts
+
+
 def test_a_replica_heartbeats_soon_after_its_sessions_change(redis_server):
     """Replicas with a 30 s heartbeat list another client's closes within a fraction of that, so
     a router opening next fills the replica just emptied instead of the fuller one."""

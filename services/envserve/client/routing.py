@@ -12,6 +12,7 @@ turn's anchor, then answers the call as if nothing had happened. The caller keep
 """
 from __future__ import annotations
 
+import random
 import threading
 import time
 from typing import Any, Iterable, Mapping, Sequence
@@ -28,6 +29,8 @@ from .addresses import directory_for
 from .client import EnvClient
 from .errors import EnvServeError, UnavailableError, from_rpc_error, make_error
 from .recovery import RecoverySettings, SessionTable, lost_result, replica_gone
+
+_TIE_RANDOM = random.SystemRandom()
 
 # Failures of a whole Open that mean "try another replica".
 _RETRY_ELSEWHERE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -106,6 +109,9 @@ class Router:
         self._unlisted_since: dict[tuple[str, str], float] = {}  # client keys whose address is not listed
         self._fetched = 0.0
         self._opened: dict[str, list[tuple[float, int]]] = {}  # replica -> (when, n) not yet in its count
+        # How this client breaks ties between equally loaded replicas: its own random order, so
+        # clients opening at once from a listing they all read pick different replicas first.
+        self._tie_rank: dict[str, float] = {}
         self._clients: dict[tuple[str, str], EnvClient] = {}
         self._blocking: dict[tuple[str, str], EnvClient] = {}
         if not isinstance(recovery, RecoverySettings):
@@ -243,10 +249,17 @@ class Router:
             open_ones = [rid for rid in load if load[rid] < caps[rid]]
             if not open_ones:
                 break
-            rid = min(open_ones, key=lambda i: (load[i] / caps[i], load[i]))
+            rid = min(open_ones, key=lambda i: (load[i] / caps[i], load[i], self._tie(i)))
             load[rid] += 1
             shares[rid] = shares.get(rid, 0) + 1
         return shares
+
+    def _tie(self, replica_id: str) -> float:
+        rank = self._tie_rank.get(replica_id)
+        if rank is None:
+            # Not the global generator: trainers seed it alike in every process.
+            rank = self._tie_rank[replica_id] = _TIE_RANDOM.random()
+        return rank
 
     def open_deadline(self) -> float:
         """Until when Open waits for a replica to appear while none can take its sessions: as long as
