@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from serverproc import RedisProcess, ServerProcess  # noqa: E402
+from serverproc import RedisProcess, ServerProcess, stop_on_sigterm  # noqa: E402
 
 from envserve.client import RoutedClient  # noqa: E402
 from envserve.client.experts import plain_answer  # noqa: E402
@@ -102,6 +102,7 @@ def main() -> None:
     ap.add_argument("--text", default="", help="text env episodes beside the grid ones: webshop=300,alfworld=60")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    stop_on_sigterm()  # a SIGTERM stops the servers this run started, too
 
     text = {k: int(v) for k, v in (x.split("=") for x in args.text.split(",") if x)}
     plan = [GRID[i % 3] for i in range(args.episodes)]

@@ -29,6 +29,8 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=30.0, help="stop after the iteration that passes this")
     ap.add_argument("--iterations", type=int, default=None)
     args = ap.parse_args()
+    from serverproc import stop_on_sigterm
+    stop_on_sigterm()  # a SIGTERM stops the servers this run started, too
 
     from serverproc import ServerProcess
     from envserve_trainer.cli import _config

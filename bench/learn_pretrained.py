@@ -200,6 +200,8 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=4, help="sampled trials per task (pass@K)")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
     args = ap.parse_args()
+    from serverproc import stop_on_sigterm
+    stop_on_sigterm()  # a SIGTERM stops the servers this run started, too
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from serverproc import ServerProcess

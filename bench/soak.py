@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import psutil  # noqa: E402
-from serverproc import JudgeProcess, RedisProcess, ServerProcess  # noqa: E402
+from serverproc import JudgeProcess, RedisProcess, ServerProcess, stop_on_sigterm  # noqa: E402
 
 from envserve.client import AsyncRoutedClient, JudgeClient, JudgeTask, RoutedClient  # noqa: E402
 from envserve.directory import open_directory  # noqa: E402
@@ -270,6 +270,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    stop_on_sigterm()  # a SIGTERM stops the servers this run started, too
     envs = [e for e in args.envs.split(",") if e]
 
     stack = Stack(envs, args.replicas, args.lease, args.heartbeat)

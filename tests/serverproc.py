@@ -16,6 +16,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 _LINE = re.compile(r"serving .* on ([\d.]+:\d+) with \d+ workers(?:, metrics on :(\d+))?")
 
 
+def stop_on_sigterm() -> None:
+    """Makes a SIGTERM to this process unwind it like Ctrl-C does, so the servers its `with` blocks
+    started are stopped; by default a SIGTERM ends it at once and leaves them running. Call from the
+    main thread of a long benchmark (Python runs the handler there, between its bytecodes)."""
+    def _unwind(signum, frame):
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, _unwind)
+
+
 def start_cli(args, line_pattern: re.Pattern, env_vars=None, what="server"):
     """Runs `envserve ARGS` and reads its output until line_pattern matches (the ready line).
     Returns (process, match, output lines); the rest of the output keeps being collected."""
