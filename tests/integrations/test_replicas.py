@@ -365,32 +365,3 @@ def test_a_lane_never_answers_a_step_with_an_earlier_ones_result():
             r = c.step([(sid, "<answer>Left</answer>")])[0]
             assert r.status.code == 0 and r.turn == 3, r
             assert c._lanes == {next(iter(c._lanes)): lane}, "the same lane goes on"
-
-
-def test_a_lane_to_a_replica_gone_for_good_is_closed(redis_server):
-    """A replica scaled away leaves its lane unused: once the routed client retires the replica's
-    channel, the lane is closed too (else its gRPC thread would wait for good)."""
-    from envserve.client import StreamingClient
-    c = Cluster(redis_server.url, ["frozenlake"], ["gone-a", "gone-b"])
-    try:
-        with StreamingClient(c.url, recovery=False) as client:
-            client.routed.retire_after_seconds = 1.0
-            sids = client.open("frozenlake", 2, {"max_turns": 1000})
-            client.reset(sids, [1, 2])
-            assert {replica_of(s) for s in sids} == {"gone-a", "gone-b"}
-            for sid in sids:
-                assert client.step([(sid, "<answer>Left</answer>")])[0].status.code == 0
-            lanes = dict(client._lanes)
-            assert {k[0] for k in lanes} == {"gone-a", "gone-b"}
-            (gone,) = [lane for k, lane in lanes.items() if k[0] == "gone-a"]
-            (kept,) = [s for s in sids if replica_of(s) == "gone-b"]
-            c.replicas["gone-a"].kill()
-            deadline = time.monotonic() + 60
-            while not gone.closed and time.monotonic() < deadline:
-                client.close_sessions(client.open("frozenlake", 1))  # a listing: retires what is gone
-                assert client.step([(kept, "<answer>Left</answer>")])[0].status.code == 0
-                time.sleep(0.2)
-            assert gone.closed
-            assert {k[0] for k in client._lanes} == {"gone-b"}
-    finally:
-        c.close()

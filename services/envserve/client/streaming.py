@@ -164,7 +164,6 @@ class StreamingClient:
         # gRPC's helper threads the lanes started. A channel's poller thread serves every lane on
         # it, so it outlives the lane that started it: a fork waits for all of them.
         self._lane_threads: list[threading.Thread] = []
-        self._blocking_seen = -1  # how many channels the routed client had when lanes were last checked
         _CLIENTS.add(self)
 
     @property
@@ -303,8 +302,6 @@ class StreamingClient:
                     _FLIGHT.notify_all()
 
     def _lane(self, client: AsyncRoutedClient, r) -> SyncLane:
-        if len(client._blocking) != self._blocking_seen:
-            self._close_retired_lanes(client)
         key = (r.replica_id, client.address(r))
         lane = self._lanes.get(key)
         if lane is not None and not lane.closed:
@@ -315,18 +312,10 @@ class StreamingClient:
                 blocking = client.blocking_client(r)  # the routed client's channel to that replica
                 lane = self._lanes[key] = SyncLane(blocking.env, blocking.metadata)
                 self._lane_threads = [t for t in self._lane_threads if t.is_alive()] + lane.threads
+                # A replica restarted elsewhere leaves its old address's lane unused: close those.
+                for old_key in [k for k in self._lanes if k[0] == key[0] and k != key]:
+                    self._lanes.pop(old_key).close()
             return lane
-
-    def _close_retired_lanes(self, client: AsyncRoutedClient) -> None:
-        """Closes the lanes whose channel the routed client retired (a replica gone, or restarted at
-        another address): each would hold a blocked gRPC thread for good."""
-        with client._lock:
-            live = set(client._blocking)
-        with self._lock:
-            self._blocking_seen = len(live)
-            retired = [self._lanes.pop(k) for k in [k for k in self._lanes if k not in live]]
-        for lane in retired:
-            lane.close()
 
     def _forget_lane(self, lane: SyncLane) -> None:
         lane.close()
