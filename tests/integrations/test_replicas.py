@@ -345,23 +345,3 @@ def test_a_step_past_its_deadline_fails_alone_and_the_stream_goes_on():
                 r = c.step([(sid, "<answer>Left</answer>")])[0]
                 assert r.status.code == 0 and r.turn == 6, r
                 assert c.routed._streams == streams
-
-
-def test_a_lane_never_answers_a_step_with_an_earlier_ones_result():
-    """An answer left on a lane (its caller interrupted while waiting, as by Ctrl-C) is not the next
-    caller's: each step reads the answer to its own item."""
-    from envserve.client import StreamingClient
-    from envserve.v1 import envserve_pb2 as pb
-    from serverproc import ServerProcess
-    with ServerProcess(["frozenlake"], workers=1, metrics=False) as server:
-        with StreamingClient(server.address) as c:
-            sid = c.open("frozenlake", 1, {"max_turns": 1000})[0]
-            c.reset([sid], [0])
-            assert c.step([(sid, "<answer>Left</answer>")])[0].turn == 1
-            (lane,) = c._lanes.values()
-            # A step whose answer no one reads, as an interrupted caller leaves it.
-            lane._requests.put(pb.InteractRequest(items=[pb.InteractItem(
-                tag=10**9, step=pb.StepItem(session_id=sid, action="<answer>Left</answer>"))]))
-            r = c.step([(sid, "<answer>Left</answer>")])[0]
-            assert r.status.code == 0 and r.turn == 3, r
-            assert c._lanes == {next(iter(c._lanes)): lane}, "the same lane goes on"

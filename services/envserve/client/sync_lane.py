@@ -51,19 +51,14 @@ class SyncLane:
         when the stream ends (`timed_out` says whether the deadline ended it) and EOFError when
         the server closed it."""
         self.deadline = None if timeout is None else time.monotonic() + timeout
-        tag = next(self._tags)
         try:
-            self._requests.put(pb.InteractRequest(items=[pb.InteractItem(tag=tag, step=item)]))
-            while True:
-                # An earlier caller interrupted while waiting (KeyboardInterrupt) may have left its
-                # answer behind, alone or in one message with this one's: only this tag's is ours.
-                for result in next(self._responses).results:
-                    if result.tag == tag:
-                        return result.result
+            self._requests.put(pb.InteractRequest(items=[pb.InteractItem(tag=next(self._tags), step=item)]))
+            response = next(self._responses)
         except StopIteration:
             raise EOFError("Interact stream ended") from None
         finally:
             self.deadline = None
+        return response.results[0].result
 
     def close(self) -> None:
         if self.closed:
