@@ -89,9 +89,3 @@ def _expire_deadlines() -> None:
             if deadline is not None and now > deadline and not lane.closed:
                 lane.timed_out = True
                 lane.close()
-            if lane.closed:
-                _WATCHED.discard(lane)
-        with _WATCH_LOCK:
-            if not _WATCHED:  # no open lane left: the next one starts another watcher
-                _WATCHER[0] = None
-                return
