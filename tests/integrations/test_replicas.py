@@ -214,12 +214,9 @@ def test_before_a_fork_no_thread_is_left_inside_grpc(cluster):
     del leftover
     assert sid in live_session_ids(address, "frozenlake")
     assert streaming._grpc_pollers(), "the test needs a live aio channel before the hook runs"
-    lane_threads = [t for c in list(streaming._CLIENTS) for t in c._lane_threads]
-    assert any(t.is_alive() for t in lane_threads), "the test needs a lane's gRPC threads before the hook runs"
     streaming._before_fork()
     try:
         assert streaming._grpc_pollers() == []
-        assert not any(t.is_alive() for t in lane_threads)
         assert not any(t.name == "envserve-client-loop" for t in threading.enumerate())
     finally:
         streaming._after_fork(False)
@@ -302,46 +299,27 @@ def test_openenvs_client_through_the_facade_spreads_sockets_over_every_replica(c
 
 def test_a_step_past_its_deadline_fails_alone_and_the_stream_goes_on():
     """A worker stopped (SIGSTOP) mid-episode: the sync step waits its deadline, fails
-    DEADLINE_EXCEEDED, and once the worker runs again the next steps are answered: on a new lane
-    where the thread stepped alone (the timed-out lane is closed), on the
-    same shared stream where the lane was taken."""
+    DEADLINE_EXCEEDED, and once the worker runs again the same stream answers the next steps."""
     import os
     import signal
 
     from envserve.client import EnvServeError, RecoverySettings, StreamingClient
     from serverproc import ServerProcess
-
-    def stalled(c, sid, worker):
-        os.kill(worker, signal.SIGSTOP)
-        try:
-            with pytest.raises(EnvServeError) as e:
-                c.step([(sid, "<answer>Left</answer>")])
-            assert e.value.code.name == "DEADLINE_EXCEEDED"
-        finally:
-            os.kill(worker, signal.SIGCONT)
-
     with ServerProcess(["frozenlake"], workers=1, metrics=False) as server:
         with StreamingClient(server.address, timeout=1.0, recovery=RecoverySettings(timeout_seconds=1.0)) as c:
             sid = c.open("frozenlake", 1, {"max_turns": 1000})[0]
             assert c.reset([sid], [0])[0].status.code == 0
             assert c.step([(sid, "<answer>Left</answer>")])[0].turn == 1
             (worker,) = server.worker_pids()
-            lanes = dict(c._lanes)
-            assert len(lanes) == 1, "a lone thread steps on its replica's lane"
-            stalled(c, sid, worker)
-            # The late step was stepped when the worker woke: the next one is turn 3.
+            os.kill(worker, signal.SIGSTOP)
+            try:
+                with pytest.raises(EnvServeError) as e:
+                    c.step([(sid, "<answer>Left</answer>")])
+                assert e.value.code.name == "DEADLINE_EXCEEDED"
+            finally:
+                os.kill(worker, signal.SIGCONT)
+            streams = dict(c.routed._streams)
+            # The late step was stepped when the worker woke: the next one is turn 3, on the same stream.
             r = c.step([(sid, "<answer>Left</answer>")])[0]
             assert r.status.code == 0 and r.turn == 3, r
-            assert len(c._lanes) == 1 and c._lanes != lanes
-            (old,) = lanes.values()
-            assert old.closed
-
-            (lane,) = c._lanes.values()
-            with lane.busy:  # another thread holds the lane: steps go over the loop's shared stream
-                assert c.step([(sid, "<answer>Left</answer>")])[0].turn == 4
-                streams = dict(c.routed._streams)
-                assert len(streams) == 1
-                stalled(c, sid, worker)
-                r = c.step([(sid, "<answer>Left</answer>")])[0]
-                assert r.status.code == 0 and r.turn == 6, r
-                assert c.routed._streams == streams
+            assert c.routed._streams == streams and len(streams) == 1

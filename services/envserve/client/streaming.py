@@ -3,9 +3,9 @@
 Frameworks call environments from plain threads, one blocking call at a time (a TRL tool, SkyRL's
 and GEM's `step`). A unary Step per call pays a whole gRPC call each time; here every call of the
 process runs on one background event loop (a daemon thread, made on first use), through one
-AsyncRoutedClient with `stream_steps`: one Interact stream per replica, shared by every thread;
-threads that overlap share its messages. A thread stepping alone skips the loop and its thread hops:
-it writes and reads on the replica's lane (sync_lane.py) itself. Routing (a directory URL, several addresses or one) and recovery are the routed
+AsyncRoutedClient with `stream_steps`: one Interact stream per replica, shared by every thread. A
+thread stepping alone writes and reads on the stream itself; threads that overlap share its
+messages. Routing (a directory URL, several addresses or one) and recovery are the routed
 client's.
 
 Fork (PyTorch's DataLoader starts its workers so): gRPC's core cannot be forked while a thread is
@@ -28,14 +28,11 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import grpc
 
-from envserve.directory import replica_of
 from envserve.v1 import envserve_pb2 as pb
 
-from . import seats
 from .aio_routing import AsyncRoutedClient
 from .errors import make_error
 from .recovery import RecoverySettings, SessionTable
-from .sync_lane import SyncLane
 
 log = logging.getLogger(__name__)
 _LOCK = threading.Lock()
@@ -159,11 +156,6 @@ class StreamingClient:
         # The histories outlive the routed clients made over time (after a fork, after close()).
         self._table = SessionTable(recovery if isinstance(recovery, RecoverySettings)
                                    else RecoverySettings(enabled=bool(recovery)))
-        # This process's lanes (sync_lane.py) by (replica id, address): a lone thread's steps.
-        self._lanes: dict[tuple[str, str], SyncLane] = {}
-        # gRPC's helper threads the lanes started. A channel's poller thread serves every lane on
-        # it, so it outlives the lane that started it: a fork waits for all of them.
-        self._lane_threads: list[threading.Thread] = []
         _CLIENTS.add(self)
 
     @property
@@ -183,21 +175,14 @@ class StreamingClient:
 
     def _drop_connections(self, wait: float = 5.0) -> None:
         """Closes this process's streams and channels (a fork is coming); the next call makes them."""
-        deadline = time.monotonic() + wait
         with self._lock:
             client, self._client = self._client, None
-            lanes, self._lanes = list(self._lanes.values()), {}
-            threads = self._lane_threads
             if client is None or self._pid != os.getpid():
                 return
-        for lane in lanes:
-            lane.close()
         try:
             asyncio.run_coroutine_threadsafe(client.close(), self._loop).result(wait)
         except Exception:  # noqa: BLE001 (closing what may be broken already)
             pass
-        for t in threads:  # inside gRPC's core until they end
-            t.join(max(0.1, deadline - time.monotonic()))
 
     @property
     def sessions(self) -> SessionTable:
@@ -250,78 +235,9 @@ class StreamingClient:
 
     def step(self, actions: "Mapping[str, str] | Iterable[tuple[str, str]]") -> list[pb.StepResult]:
         pairs = list(actions.items()) if isinstance(actions, Mapping) else list(actions)
-        if len(pairs) == 1:  # one caller's step: a lane if free, else the loop's short path (step_one)
-            if self.stream_steps:
-                result = self._step_on_lane(*pairs[0])
-                if result is not None:
-                    return [result]
+        if len(pairs) == 1:  # one caller's step: the short path, bounded here (see step_one)
             return [self._run(AsyncRoutedClient.step_one, *pairs[0], timeout=self._one_call_wait())]
         return self._run(AsyncRoutedClient.step, pairs)
-
-    def _step_on_lane(self, session_id: str, action: str) -> pb.StepResult | None:
-        """The step on its replica's lane, by this thread, when no other call of the process is in
-        flight and the session is where the routed client last saw it; None sends it the loop's way
-        (a first call, overlapping calls, a seat, a broken stream, a lost session: the loop's path
-        recovers)."""
-        client = self._client
-        if client is None or self._pid != os.getpid() or not _WATCHING[0]:
-            return None
-        with _FLIGHT:
-            # Only a call alone in the process: where calls overlap, the loop's stream carries them
-            # together in fewer messages (and a lane's gRPC threads would take the loop's CPU).
-            if _STATE["forking"] or _STATE["in_flight"]:
-                return None  # (when forking, _run waits for the fork, or refuses in the fork hook)
-            _STATE["in_flight"] += 1
-        try:
-            real = self._table.current(session_id)
-            if seats.is_seat(real):
-                return None  # answered at the seat's next turn: the loop's stream shares the wait
-            r = client._known.get(replica_of(real))
-            if r is None:
-                return None
-            lane = self._lane(client, r)
-            if not lane.busy.acquire(blocking=False):
-                return None
-            try:
-                result = lane.exchange(pb.StepItem(session_id=real, action=action), self.timeout)
-            except (grpc.RpcError, EOFError):
-                self._forget_lane(lane)
-                if lane.timed_out:
-                    raise make_error(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                     f"no answer within {self.timeout:g} s") from None
-                return None
-            finally:
-                lane.busy.release()
-            if result.status.code and self._table.recoverable(session_id, result.status.code):
-                return None
-            return self._table.answer(session_id, result, action)
-        finally:
-            with _FLIGHT:
-                _STATE["in_flight"] -= 1
-                if _STATE["forking"]:
-                    _FLIGHT.notify_all()
-
-    def _lane(self, client: AsyncRoutedClient, r) -> SyncLane:
-        key = (r.replica_id, client.address(r))
-        lane = self._lanes.get(key)
-        if lane is not None and not lane.closed:
-            return lane
-        with self._lock:
-            lane = self._lanes.get(key)
-            if lane is None or lane.closed:
-                blocking = client.blocking_client(r)  # the routed client's channel to that replica
-                lane = self._lanes[key] = SyncLane(blocking.env, blocking.metadata)
-                self._lane_threads = [t for t in self._lane_threads if t.is_alive()] + lane.threads
-                # A replica restarted elsewhere leaves its old address's lane unused: close those.
-                for old_key in [k for k in self._lanes if k[0] == key[0] and k != key]:
-                    self._lanes.pop(old_key).close()
-            return lane
-
-    def _forget_lane(self, lane: SyncLane) -> None:
-        lane.close()
-        with self._lock:
-            for key in [k for k, v in self._lanes.items() if v is lane]:
-                del self._lanes[key]
 
     def _one_call_wait(self) -> float | None:
         """How long one step may take in all: its deadline, plus a recovery's where one may run."""
@@ -352,6 +268,7 @@ class StreamingClient:
 
     def replica_of(self, session_id: str) -> str:
         """The replica id holding a caller's session now (it changes when the session is rebuilt)."""
+        from envserve.directory import replica_of
         return replica_of(self.routed.sessions.current(session_id))
 
     def close(self) -> None:
