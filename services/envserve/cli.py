@@ -200,8 +200,8 @@ def cmd_judge(args) -> int:
             env_tls_ca_file=args.env_tls_ca, scoring=settings.get("scoring") or {}, llm=llm or None,
             judges=judges, fallback=args.fallback or settings.get("fallback", "") or ("llm" if llm else ""),
             max_concurrent_items=int(settings.get("max_concurrent_items", args.max_concurrent_items)),
-            truth_cache_records=int(settings.get("truth_cache_records", 4096)),
-            truth_cache_seconds=float(settings.get("truth_cache_seconds", 600.0)),
+            truth_cache_records=int(settings.get("truth_cache_records", JudgeServerConfig.truth_cache_records)),
+            truth_cache_seconds=float(settings.get("truth_cache_seconds", JudgeServerConfig.truth_cache_seconds)),
             metrics_port=args.metrics_port, metrics_host=args.metrics_host,
             tokens=read_tokens(args.token_file, os.environ.get("ENVSERVE_JUDGE_TOKENS", "")),
             tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, tls_client_ca_file=args.tls_client_ca)
