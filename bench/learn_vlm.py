@@ -11,7 +11,8 @@ Everything comes from the bundled config trainer/envserve_trainer/configs/learn_
   2. base      the random-weight VLM is evaluated on held-out maps
   3. sft       supervised fine-tuning on the demonstrations (the pictures in the prompts), evaluated
   4. rl        RL from the SFT checkpoint (the config's estimator, the judge's rewards when it uses
-               them), once per RL seed, evaluated
+               them), once per RL seed, evaluated; bench.rl holds what RL changes in the config
+               (its own maps: the SFT ones are already learned by heart)
 
 An evaluation plays the held-out maps greedily (one trial each) and sampled (K trials each at
 temperature 1): greedy_success, sampled_success, invalid_rate (greedy), and grounding_accuracy: the
@@ -134,12 +135,15 @@ def run(args, cfg, bench: dict[str, Any], conn, log, started: float) -> dict[str
 
     budget = 60 * float(args.minutes if args.minutes is not None else bench["minutes"])
     rl_seeds = list(args.rl_seeds if args.rl_seeds is not None else bench["rl_seeds"])
+    rl_overrides = {k: v for k, v in bench.get("rl", {}).items() if k not in ("model", "run")}
+    result["rl_overrides"] = rl_overrides
     for i, seed in enumerate(rl_seeds):
         # The seeds share what is left of the budget; each keeps an evaluation's time (the SFT one's) for
         # its own evaluation. At least one iteration always runs.
         share = (budget - (time.monotonic() - started)) / (len(rl_seeds) - i) - eval_seconds
         t3 = time.monotonic()
-        rl_cfg = cfg.with_overrides(model={"path": str(sft_policy), "random_init": ""}, run={"seed": seed})
+        rl_cfg = cfg.with_overrides(**rl_overrides, model={"path": str(sft_policy), "random_init": ""},
+                                    run={"seed": seed})
         trainer = Trainer(rl_cfg, out / f"rl-seed{seed}", conn, device=args.device)
         try:
             records = asyncio.run(trainer.run(max_seconds=max(share, 0.0)))

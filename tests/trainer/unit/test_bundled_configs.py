@@ -22,6 +22,11 @@ def test_the_vlm_bench_config_is_vagens_visual_setting_with_its_own_section():
     assert (cfg.env.action_format, cfg.rollout.template) == ("grounding_worldmodeling", "vagen")
     bench = yaml.safe_load(path.read_text())["bench"]
     assert len(bench["rl_seeds"]) == 2 and bench["minutes"] == 60 and bench["quick"]
+    # RL plays maps of its own: neither the demonstrated ones nor the held-out ones.
+    rl = cfg.with_overrides(**bench["rl"]).env
+    rl_maps = set(range(rl.seed_start, rl.seed_start + rl.num_tasks))
+    assert not rl_maps & set(range(cfg.env.seed_start, cfg.env.seed_start + cfg.env.num_tasks))
+    assert not rl_maps & set(range(cfg.env.eval_seed_start, cfg.env.eval_seed_start + cfg.env.eval_tasks))
     # The section is the bench's: the trainer's own mapping refuses it.
     with pytest.raises(ValueError, match="unknown config section"):
         TrainConfig.from_mapping(yaml.safe_load(path.read_text()))
