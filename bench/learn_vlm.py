@@ -135,15 +135,17 @@ def run(args, cfg, bench: dict[str, Any], conn, log, started: float) -> dict[str
 
     budget = 60 * float(args.minutes if args.minutes is not None else bench["minutes"])
     rl_seeds = list(args.rl_seeds if args.rl_seeds is not None else bench["rl_seeds"])
-    rl_overrides = {k: v for k, v in bench.get("rl", {}).items() if k not in ("model", "run")}
+    rl_overrides = dict(bench.get("rl", {}))
     result["rl_overrides"] = rl_overrides
     for i, seed in enumerate(rl_seeds):
         # The seeds share what is left of the budget; each keeps an evaluation's time (the SFT one's) for
         # its own evaluation. At least one iteration always runs.
         share = (budget - (time.monotonic() - started)) / (len(rl_seeds) - i) - eval_seconds
         t3 = time.monotonic()
-        rl_cfg = cfg.with_overrides(**rl_overrides, model={"path": str(sft_policy), "random_init": ""},
-                                    run={"seed": seed})
+        rl_cfg = cfg.with_overrides(**{**rl_overrides,
+                                       "model": {**rl_overrides.get("model", {}), "path": str(sft_policy),
+                                                 "random_init": ""},
+                                       "run": {**rl_overrides.get("run", {}), "seed": seed}})
         trainer = Trainer(rl_cfg, out / f"rl-seed{seed}", conn, device=args.device)
         try:
             records = asyncio.run(trainer.run(max_seconds=max(share, 0.0)))
