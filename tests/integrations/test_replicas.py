@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import multiprocessing
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -24,6 +27,7 @@ from serverproc import Cluster, redis_or_skip
 IDS = ["rep-a", "rep-b", "rep-c"]
 ROUTER_REFRESH = 1.0  # seconds a router keeps a listing (RoutedClient's refresh_seconds)
 MOVES = ["Right", "Down", "Left", "Up", "Down", "Right"]
+FORKPROC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "forkproc.py")
 
 
 @pytest.fixture(scope="module")
@@ -170,62 +174,40 @@ def test_a_call_cancelled_mid_way_leaves_the_stream_usable(cluster):
 
 
 # -- fork ------------------------------------------------------------------------------------------
-def _forked_worker(cls, parents_env, queue):
-    try:
-        mine = play(cls, 7)
-        inherited = parents_env.move("Down")    # a session the parent opened, stepped from the child
-        queue.put(("ok", mine, inherited))
-    except BaseException as e:  # noqa: BLE001 (reported to the parent)
-        queue.put(("error", repr(e), ""))
+def fork_scenario(cluster, scenario: str) -> dict:
+    """Runs one of forkproc's scenarios in a fresh interpreter against the cluster."""
+    proc = subprocess.run([sys.executable, FORKPROC, scenario, cluster.url, *addresses(cluster)],
+                          capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_a_forked_data_loader_worker_steps_its_own_sessions(cluster):
-    cls = environment_factory(cluster.url, "frozenlake", include_rules=False)
-    expected = play(cls, 7)                         # the parent's loop thread and streams are running
-    parents = cls()
-    parents.reset(seed=3)
-    ctx = multiprocessing.get_context("fork")       # how PyTorch's DataLoader starts its workers
-    queue = ctx.Queue()
-    worker = ctx.Process(target=_forked_worker, args=(cls, parents, queue))
-    worker.start()
-    status, mine, inherited = queue.get(timeout=120)
-    worker.join(60)
-    assert status == "ok", mine
-    assert mine == expected
-    assert "Reward" in inherited
-    # The parent's client is untouched by the child's.
-    assert play(cls, 7) == expected
-    cls.close()
+    out = fork_scenario(cluster, "worker")
+    assert out["status"] == "ok", out
+    assert out["mine"] == out["expected"]
+    assert "Reward" in out["inherited"]
+    assert out["after"] == out["expected"]    # the parent's client is untouched by the child's
 
 
 def test_before_a_fork_no_thread_is_left_inside_grpc(cluster):
     """What the fork hook leaves the child: no event loop thread and no gRPC poller thread (a fork
-    taken while one runs inside gRPC's core aborted the child on a starved machine)."""
-    from envserve.client import streaming
-    cls = environment_factory(cluster.url, "frozenlake", include_rules=False)
-    expected = play(cls, 5)
-    # An env left in a reference cycle: the hook's own collection runs its finalizer, which closes
-    # its session (that call once waited for the fork to end, inside the fork: a hang).
-    leftover = cls()
-    leftover.reset(seed=1)
-    sid = leftover._session.real_id
-    address = cluster.replicas[replica_of(sid)].address
-    leftover.cycle = leftover
-    del leftover
-    assert sid in live_session_ids(address, "frozenlake")
-    assert streaming._grpc_pollers(), "the test needs a live aio channel before the hook runs"
-    streaming._before_fork()
-    try:
-        assert streaming._grpc_pollers() == []
-        assert not any(t.name == "envserve-client-loop" for t in threading.enumerate())
-    finally:
-        streaming._after_fork(False)
-    deadline = time.monotonic() + 60
-    while sid in live_session_ids(address, "frozenlake") and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert sid not in live_session_ids(address, "frozenlake")   # closed once the fork was done
-    assert play(cls, 5) == expected     # the next call makes the loop and the channels again
-    cls.close()
+    taken while one runs inside gRPC's core aborted the child on a starved machine); a session
+    whose env the hook's collection finalized is closed once the fork is done."""
+    out = fork_scenario(cluster, "hook")
+    assert out["pollers_before"] >= 1, "the scenario needs a live aio channel before the hook runs"
+    assert out["pollers_at_fork"] == 0 and out["loop_threads_at_fork"] == 0, out
+    assert out["leftover_closed"] and out["same_after"], out
+
+
+def test_a_child_forked_beside_another_asyncio_channel_fails_its_calls_at_once(cluster):
+    """An asyncio gRPC channel of the process's own is open across the fork: the child inherits a
+    poller no thread runs, so its calls fail with FAILED_PRECONDITION and say why, instead of
+    waiting forever; the parent goes on."""
+    out = fork_scenario(cluster, "foreign")
+    assert out["status"] == "FAILED_PRECONDITION", out
+    assert "forked while gRPC's asyncio poller ran" in out["message"]
+    assert out["after"] == out["expected"]
 
 
 # -- a replica killed -9 ---------------------------------------------------------------------------
@@ -300,7 +282,6 @@ def test_openenvs_client_through_the_facade_spreads_sockets_over_every_replica(c
 def test_a_step_past_its_deadline_fails_alone_and_the_stream_goes_on():
     """A worker stopped (SIGSTOP) mid-episode: the sync step waits its deadline, fails
     DEADLINE_EXCEEDED, and once the worker runs again the same stream answers the next steps."""
-    import os
     import signal
 
     from envserve.client import EnvServeError, RecoverySettings, StreamingClient

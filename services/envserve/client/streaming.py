@@ -12,7 +12,10 @@ Fork (PyTorch's DataLoader starts its workers so): gRPC's core cannot be forked 
 inside it, and the loop's channels always are. So before a fork the process lets the calls in
 flight finish (new ones wait), closes every client's streams and channels and stops the loop;
 parent and child each start a loop again on their next call. Session histories survive the fork,
-so sessions the parent opened can still be stepped, and rebuilt, from either side.
+so sessions the parent opened can still be stepped, and rebuilt, from either side. Where gRPC's
+asyncio poller still runs at the fork (an asyncio channel or server of the process's own, not this
+client's, is open), the child inherits a poller that no thread runs: its calls would never be
+answered, so they fail at once with FAILED_PRECONDITION instead.
 """
 from __future__ import annotations
 
@@ -40,7 +43,9 @@ _LOOP: list = [None, None, None]  # (pid, loop, thread) of this process's backgr
 _CLIENTS: "weakref.WeakSet[StreamingClient]" = weakref.WeakSet()
 # Calls in flight on the loop, and whether a fork is being prepared (new calls wait for it).
 _FLIGHT = threading.Condition()
-_STATE = {"in_flight": 0, "forking": False, "fork_thread": None}
+_STATE = {"in_flight": 0, "forking": False, "fork_thread": None,
+          # set in a child forked while gRPC's asyncio poller ran: why its calls are refused
+          "grpc_unusable": None}
 # Sessions closed from inside the fork hook (a finalizer its collection ran): the parent closes them
 # once the fork is done.
 _DEFERRED_CLOSES: "list[tuple[StreamingClient, list[str]]]" = []
@@ -72,23 +77,26 @@ def _before_fork() -> None:
         _STATE["forking"], _STATE["fork_thread"] = True, threading.get_ident()
         _FLIGHT.wait_for(lambda: _STATE["in_flight"] == 0, FORK_WAIT)
     pid, loop, thread = _LOOP
-    if pid != os.getpid() or loop is None or loop.is_closed():
-        return
-    # Every step waits for what it needs, not a few seconds: on a starved machine a fork taken with
-    # a thread still inside gRPC aborts the child.
-    for client in list(_CLIENTS):
-        client._drop_connections(max(1.0, deadline - time.monotonic()))
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(max(1.0, deadline - time.monotonic()))
-    if not thread.is_alive():
-        loop.close()
-    _LOOP[:] = [None, None, None]
+    if pid == os.getpid() and loop is not None and not loop.is_closed():
+        # Every step waits for what it needs, not a few seconds: on a starved machine a fork taken
+        # with a thread still inside gRPC aborts the child.
+        for client in list(_CLIENTS):
+            client._drop_connections(max(1.0, deadline - time.monotonic()))
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(max(1.0, deadline - time.monotonic()))
+        if not thread.is_alive():
+            loop.close()
+        _LOOP[:] = [None, None, None]
+        if thread.is_alive():
+            log.warning("forking with a call still inside gRPC after %.0f s: the child's calls will "
+                        "fail", FORK_WAIT)
     gc.collect()  # the closed channels freed now, so gRPC's poller ends before the fork
     for poller in _grpc_pollers():
         poller.join(max(0.1, deadline - time.monotonic()))
-    if thread.is_alive() or _grpc_pollers():
-        log.warning("forking with gRPC still running in this process (the child's gRPC may fail): "
-                    "a call did not finish within %.0f s", FORK_WAIT)
+    _STATE["grpc_running"] = bool(_grpc_pollers())
+    if _STATE["grpc_running"]:
+        log.warning("forking while gRPC's asyncio poller runs (an asyncio channel or server other "
+                    "than envserve's clients' is open): the child's calls will fail")
 
 
 def _after_fork(child: bool) -> None:
@@ -96,6 +104,13 @@ def _after_fork(child: bool) -> None:
         for client in list(_CLIENTS):
             client._table._lock = threading.Lock()  # a parent's thread may have held it at the fork
         _STATE["in_flight"] = 0
+        if _STATE.get("grpc_running") and not _STATE["grpc_unusable"]:
+            _STATE["grpc_unusable"] = (
+                "this process was forked while gRPC's asyncio poller ran in its parent (an asyncio "
+                "gRPC channel or server other than envserve's clients' was open, or a call did not "
+                "finish): no thread polls gRPC here, so no call would be answered. Close those "
+                "before forking, or start the workers with the 'spawn' or 'forkserver' method")
+    _STATE.pop("grpc_running", None)
     with _FLIGHT:
         _STATE["forking"], _STATE["fork_thread"] = False, None
         _FLIGHT.notify_all()
@@ -190,6 +205,8 @@ class StreamingClient:
         return self._table
 
     def _run(self, coro_fn, *args, timeout: "float | None | object" = ...):
+        if _STATE["grpc_unusable"]:
+            raise make_error(grpc.StatusCode.FAILED_PRECONDITION, _STATE["grpc_unusable"])
         with _FLIGHT:
             if _in_fork_hook():  # waiting for the fork to end would wait for ourselves
                 raise make_error(grpc.StatusCode.UNAVAILABLE, "called while this thread prepares a fork; "
