@@ -50,7 +50,7 @@ def worker(cls) -> dict:
     parents.reset(seed=3)
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
-    child = ctx.Process(target=_child, args=(cls, parents, queue))
+    child = ctx.Process(target=_child, args=(cls, parents, queue), daemon=True)  # ends with this one
     child.start()
     out = queue.get(timeout=300)
     child.join(60)
@@ -87,6 +87,11 @@ def hook(cls, addresses: list[str]) -> dict:
 
 def foreign(cls, addresses: list[str]) -> dict:
     import grpc
+
+    from envserve.client import streaming
+    # The hook waits for the poller up to FORK_WAIT, and this one never ends: the refusal is the
+    # same after 5 s.
+    streaming.FORK_WAIT = 5.0
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
 
@@ -99,6 +104,7 @@ def foreign(cls, addresses: list[str]) -> dict:
         return worker(cls)
     finally:
         asyncio.run_coroutine_threadsafe(channel.close(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
 
 
 def main() -> None:
