@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import multiprocessing
 import os
 import sys
@@ -100,8 +101,12 @@ def foreign(cls, addresses: list[str]) -> dict:
         await channel.channel_ready()
         return channel
     channel = asyncio.run_coroutine_threadsafe(connect(), loop).result(60)
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger(streaming.__name__).addHandler(handler)
     try:
-        return worker(cls)
+        return {**worker(cls), "warnings": warnings}
     finally:
         asyncio.run_coroutine_threadsafe(channel.close(), loop).result(60)
         loop.call_soon_threadsafe(loop.stop)

@@ -208,6 +208,9 @@ def test_a_child_forked_beside_another_asyncio_channel_fails_its_calls_at_once(c
     assert out["status"] == "FAILED_PRECONDITION", out
     assert "forked while gRPC's asyncio poller ran" in out["message"]
     assert out["after"] == out["expected"]
+    # The parent's warning names the cause once: the client's own loop stopped in time.
+    assert len(out["warnings"]) == 1, out["warnings"]
+    assert "other than envserve's clients'" in out["warnings"][0]
 
 
 # -- a replica killed -9 ---------------------------------------------------------------------------

@@ -77,6 +77,7 @@ def _before_fork() -> None:
         _STATE["forking"], _STATE["fork_thread"] = True, threading.get_ident()
         _FLIGHT.wait_for(lambda: _STATE["in_flight"] == 0, FORK_WAIT)
     pid, loop, thread = _LOOP
+    loop_stuck = False
     if pid == os.getpid() and loop is not None and not loop.is_closed():
         # Every step waits for what it needs, not a few seconds: on a starved machine a fork taken
         # with a thread still inside gRPC aborts the child.
@@ -87,14 +88,16 @@ def _before_fork() -> None:
         if not thread.is_alive():
             loop.close()
         _LOOP[:] = [None, None, None]
-        if thread.is_alive():
-            log.warning("forking with a call still inside gRPC after %.0f s: the child's calls will "
-                        "fail", FORK_WAIT)
+        loop_stuck = thread.is_alive()
     gc.collect()  # the closed channels freed now, so gRPC's poller ends before the fork
     for poller in _grpc_pollers():
         poller.join(max(0.1, deadline - time.monotonic()))
     _STATE["grpc_running"] = bool(_grpc_pollers())
-    if _STATE["grpc_running"]:
+    # One warning, naming the cause: a stuck call of this client's keeps the poller alive too.
+    if loop_stuck:
+        log.warning("forking with a call still inside gRPC after %.0f s: the child's calls will "
+                    "fail", FORK_WAIT)
+    elif _STATE["grpc_running"]:
         log.warning("forking while gRPC's asyncio poller runs (an asyncio channel or server other "
                     "than envserve's clients' is open): the child's calls will fail")
 
