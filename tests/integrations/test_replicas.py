@@ -173,6 +173,49 @@ def test_a_call_cancelled_mid_way_leaves_the_stream_usable(cluster):
     asyncio.run(main())
 
 
+def test_an_env_collected_on_the_loop_thread_is_closed_without_stalling_the_loop(cluster):
+    """A collection may run on the client's event loop thread, inside a callback, and finalize an
+    env there. Its close must not wait for the loop (which would stall every call of the process
+    for the close's timeout, once per env collected): it runs as a task of the loop. A blocking
+    call made on that thread is refused, not left waiting for itself."""
+    import gc
+
+    from envserve.client import EnvServeError, StreamingClient, streaming
+    cls = environment_factory(cluster.url, "frozenlake", include_rules=False)
+    kept = cls()
+    kept.reset(seed=2)
+    gc.disable()  # the cycle below is collected on the loop's thread, not by chance on this one
+    try:
+        env = cls()
+        env.reset(seed=1)
+        sid = env._session.real_id
+        address = cluster.replicas[replica_of(sid)].address
+        env.cycle = env
+        del env
+
+        async def collect():
+            gc.collect()
+        asyncio.run_coroutine_threadsafe(collect(), streaming.process_loop()).result(120)
+    finally:
+        gc.enable()
+    deadline = time.monotonic() + 60
+    while sid in live_session_ids(address, "frozenlake") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sid not in live_session_ids(address, "frozenlake")
+    assert not kept.move("Down").startswith("Error")
+
+    with StreamingClient(cluster.url) as c:
+        assert c.list_envs()
+
+        async def blocking_call():
+            with pytest.raises(EnvServeError) as e:
+                c.list_envs()
+            return e.value
+        err = asyncio.run_coroutine_threadsafe(blocking_call(), streaming.process_loop()).result(60)
+        assert err.code.name == "FAILED_PRECONDITION" and "event loop thread" in err.message
+    cls.close()
+
+
 # -- fork ------------------------------------------------------------------------------------------
 def fork_scenario(cluster, scenario: str) -> dict:
     """Runs one of forkproc's scenarios in a fresh interpreter against the cluster."""

@@ -49,6 +49,8 @@ _STATE = {"in_flight": 0, "forking": False, "fork_thread": None,
 # Sessions closed from inside the fork hook (a finalizer its collection ran): the parent closes them
 # once the fork is done.
 _DEFERRED_CLOSES: "list[tuple[StreamingClient, list[str]]]" = []
+# Closes a collected env started on the loop's thread, held until done.
+_BACKGROUND: "set[asyncio.Task]" = set()
 # How long a fork waits for the calls in flight to finish before closing the streams under them.
 FORK_WAIT = 30.0
 
@@ -131,6 +133,13 @@ def _close_deferred(deferred) -> None:
             log.warning("closing %d sessions after a fork failed: %s", len(sids), e)
 
 
+def _on_loop_thread() -> bool:
+    """Whether this thread is the process's event loop thread (a finalizer that a collection ran
+    in the middle of a loop callback): a call that waited for the loop would wait for itself."""
+    pid, _, thread = _LOOP
+    return pid == os.getpid() and thread is threading.current_thread()
+
+
 def _in_fork_hook() -> bool:
     """Whether this thread is the one preparing a fork (a finalizer run by its collection)."""
     return _STATE["forking"] and _STATE["fork_thread"] == threading.get_ident()
@@ -210,6 +219,9 @@ class StreamingClient:
     def _run(self, coro_fn, *args, timeout: "float | None | object" = ...):
         if _STATE["grpc_unusable"]:
             raise make_error(grpc.StatusCode.FAILED_PRECONDITION, _STATE["grpc_unusable"])
+        if _on_loop_thread():
+            raise make_error(grpc.StatusCode.FAILED_PRECONDITION, "a blocking call made on the client's own "
+                             "event loop thread would wait for itself; make it from another thread")
         with _FLIGHT:
             if _in_fork_hook():  # waiting for the fork to end would wait for ourselves
                 raise make_error(grpc.StatusCode.UNAVAILABLE, "called while this thread prepares a fork; "
@@ -278,7 +290,29 @@ class StreamingClient:
             # An env collected while the fork hook frees the channels: close its sessions after.
             _DEFERRED_CLOSES.append((self, list(session_ids)))
             return [pb.ItemStatus() for _ in session_ids]
+        if _on_loop_thread():
+            # An env collected on the loop's thread (a collection inside a loop callback): blocking
+            # here would stall every call of the process for the close's timeout, so the close
+            # runs as a task of the loop instead.
+            self._close_later(list(session_ids))
+            return [pb.ItemStatus() for _ in session_ids]
         return self._run(AsyncRoutedClient.close_sessions, list(session_ids), timeout=timeout)
+
+    def _close_later(self, sids: list[str]) -> None:
+        client, loop = self._client, self._loop
+        if client is None or self._pid != os.getpid() or loop is None:
+            return  # no connection to close them on: their leases free them
+
+        async def close():
+            try:
+                await client.close_sessions(sids)
+            except Exception as e:  # noqa: BLE001 (their leases free them anyway)
+                log.warning("closing %d sessions of a collected env failed: %s", len(sids), e)
+        def start():
+            task = loop.create_task(close())
+            _BACKGROUND.add(task)  # the loop holds tasks weakly
+            task.add_done_callback(_BACKGROUND.discard)
+        loop.call_soon_threadsafe(start)
 
     def get_spec(self, env_id: str) -> pb.EnvSpec:
         return self._run(AsyncRoutedClient.get_spec, env_id)
