@@ -71,11 +71,16 @@ def hook(cls, addresses: list[str]) -> dict:
     address = next(a for a in addresses if sid in live_session_ids(a, "frozenlake"))
     leftover.cycle = leftover
     del leftover
-    out = {"pollers_before": len(streaming._grpc_pollers())}
+    from envserve.client import sync_lane
+    lane_threads = list(sync_lane._STARTED)
+    out = {"pollers_before": len(streaming._grpc_pollers()), "lanes_before": len(sync_lane._OPEN),
+           "lane_threads_before": sum(t.is_alive() for t in lane_threads)}
     streaming._before_fork()
     try:
         out["pollers_at_fork"] = len(streaming._grpc_pollers())
         out["loop_threads_at_fork"] = sum(t.name == "envserve-client-loop" for t in threading.enumerate())
+        out["lanes_at_fork"] = len(sync_lane._OPEN)
+        out["lane_threads_at_fork"] = sum(t.is_alive() for t in lane_threads)
     finally:
         streaming._after_fork(False)
     deadline = time.monotonic() + 60

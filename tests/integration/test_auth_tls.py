@@ -71,6 +71,22 @@ def test_streaming_refuses_foreign_sessions(secured):
     assert asyncio.run(run()).status.code == DENIED
 
 
+def test_a_sync_clients_lane_carries_its_token(secured):
+    """A step alone in its process goes on the replica's lane (a blocking stream of its own): the
+    token travels on it, so the owner's step is answered and another token's is refused."""
+    from envserve.client import StreamingClient
+    with StreamingClient(secured.address, token=ALICE) as alice, StreamingClient(secured.address, token=BOB) as bob:
+        sid = alice.open("sokoban", 1)[0]
+        check(alice.reset([sid], [3])[0])
+        assert check(alice.step([(sid, "<answer>Up</answer>")])[0]).turn == 1
+        assert len(alice._lanes) == 1
+        bob.list_envs()
+        refused = bob.step([(sid, "<answer>Up</answer>")])[0]
+        assert refused.status.code == DENIED and len(bob._lanes) == 1
+        assert check(alice.step([(sid, "<answer>Up</answer>")])[0]).turn == 2
+        alice.close_sessions([sid])
+
+
 def test_state_service_needs_its_own_token(secured):
     with EnvClient(secured.address, token=ALICE) as alice, \
             EnvClient(secured.address, token=JUDGE) as judge_on_env:
@@ -129,6 +145,11 @@ def test_tls_serves_clients_that_trust_its_ca(pki):
         with EnvClient(s.address, root_certificates=str(pki / "ca.pem")) as c:
             sid = c.open("sokoban", 1)[0]
             assert check(c.reset_one(sid, 0)).observation.text
+        from envserve.client import StreamingClient
+        with StreamingClient(s.address, root_certificates=str(pki / "ca.pem")) as c:  # its lane too
+            sid = c.open("sokoban", 1)[0]
+            check(c.reset([sid], [0])[0])
+            assert check(c.step([(sid, "<answer>Up</answer>")])[0]).turn == 1 and len(c._lanes) == 1
         with EnvClient(s.address, timeout=5) as plain:  # a plaintext client cannot talk to it
             with pytest.raises(UnavailableError):
                 plain.list_envs()

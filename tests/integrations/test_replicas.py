@@ -239,7 +239,9 @@ def test_before_a_fork_no_thread_is_left_inside_grpc(cluster):
     whose env the hook's collection finalized is closed once the fork is done."""
     out = fork_scenario(cluster, "hook")
     assert out["pollers_before"] >= 1, "the scenario needs a live aio channel before the hook runs"
+    assert out["lanes_before"] >= 1 and out["lane_threads_before"] >= 1, "the scenario needs an open lane"
     assert out["pollers_at_fork"] == 0 and out["loop_threads_at_fork"] == 0, out
+    assert out["lanes_at_fork"] == 0 and out["lane_threads_at_fork"] == 0, out
     assert out["leftover_closed"] and out["same_after"], out
 
 
@@ -327,26 +329,119 @@ def test_openenvs_client_through_the_facade_spreads_sockets_over_every_replica(c
 
 def test_a_step_past_its_deadline_fails_alone_and_the_stream_goes_on():
     """A worker stopped (SIGSTOP) mid-episode: the sync step waits its deadline, fails
-    DEADLINE_EXCEEDED, and once the worker runs again the same stream answers the next steps."""
+    DEADLINE_EXCEEDED, and once the worker runs again the next steps are answered: on a new lane
+    where the thread stepped alone (the timed-out lane is closed), on the
+    same shared stream where the lane was taken."""
+    import os
     import signal
 
     from envserve.client import EnvServeError, RecoverySettings, StreamingClient
     from serverproc import ServerProcess
+
+    def stalled(c, sid, worker):
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            with pytest.raises(EnvServeError) as e:
+                c.step([(sid, "<answer>Left</answer>")])
+            assert e.value.code.name == "DEADLINE_EXCEEDED"
+        finally:
+            os.kill(worker, signal.SIGCONT)
+
     with ServerProcess(["frozenlake"], workers=1, metrics=False) as server:
         with StreamingClient(server.address, timeout=1.0, recovery=RecoverySettings(timeout_seconds=1.0)) as c:
             sid = c.open("frozenlake", 1, {"max_turns": 1000})[0]
             assert c.reset([sid], [0])[0].status.code == 0
             assert c.step([(sid, "<answer>Left</answer>")])[0].turn == 1
             (worker,) = server.worker_pids()
-            os.kill(worker, signal.SIGSTOP)
-            try:
-                with pytest.raises(EnvServeError) as e:
-                    c.step([(sid, "<answer>Left</answer>")])
-                assert e.value.code.name == "DEADLINE_EXCEEDED"
-            finally:
-                os.kill(worker, signal.SIGCONT)
-            streams = dict(c.routed._streams)
-            # The late step was stepped when the worker woke: the next one is turn 3, on the same stream.
+            lanes = dict(c._lanes)
+            assert len(lanes) == 1, "a lone thread steps on its replica's lane"
+            stalled(c, sid, worker)
+            # The late step was stepped when the worker woke: the next one is turn 3.
             r = c.step([(sid, "<answer>Left</answer>")])[0]
             assert r.status.code == 0 and r.turn == 3, r
-            assert c.routed._streams == streams and len(streams) == 1
+            assert len(c._lanes) == 1 and c._lanes != lanes
+            (old,) = lanes.values()
+            assert old.closed
+
+            (lane,) = c._lanes.values()
+            with lane.busy:  # another thread holds the lane: steps go over the loop's shared stream
+                assert c.step([(sid, "<answer>Left</answer>")])[0].turn == 4
+                streams = dict(c.routed._streams)
+                assert len(streams) == 1
+                stalled(c, sid, worker)
+                r = c.step([(sid, "<answer>Left</answer>")])[0]
+                assert r.status.code == 0 and r.turn == 6, r
+                assert c.routed._streams == streams
+
+
+def test_a_lane_never_answers_a_step_with_an_earlier_ones_result():
+    """An answer left on a lane (its caller interrupted while waiting, as by Ctrl-C) is not the next
+    caller's: each step reads the answer to its own item."""
+    from envserve.client import StreamingClient
+    from envserve.v1 import envserve_pb2 as pb
+    from serverproc import ServerProcess
+    with ServerProcess(["frozenlake"], workers=1, metrics=False) as server:
+        with StreamingClient(server.address) as c:
+            sid = c.open("frozenlake", 1, {"max_turns": 1000})[0]
+            c.reset([sid], [0])
+            assert c.step([(sid, "<answer>Left</answer>")])[0].turn == 1
+            (lane,) = c._lanes.values()
+            # A step whose answer no one reads, as an interrupted caller leaves it.
+            lane._requests.put(pb.InteractRequest(items=[pb.InteractItem(
+                tag=10**9, step=pb.StepItem(session_id=sid, action="<answer>Left</answer>"))]))
+            r = c.step([(sid, "<answer>Left</answer>")])[0]
+            assert r.status.code == 0 and r.turn == 3, r
+            assert c._lanes == {next(iter(c._lanes)): lane}, "the same lane goes on"
+
+
+def test_a_lane_to_a_replica_gone_for_good_is_closed(redis_server):
+    """A replica scaled away leaves its lane unused: once the routed client retires the replica's
+    channel, the lane is closed too (else its gRPC thread would wait for good)."""
+    from envserve.client import StreamingClient
+    c = Cluster(redis_server.url, ["frozenlake"], ["gone-a", "gone-b"])
+    try:
+        with StreamingClient(c.url, recovery=False) as client:
+            client.routed.retire_after_seconds = 1.0
+            sids = client.open("frozenlake", 2, {"max_turns": 1000})
+            client.reset(sids, [1, 2])
+            assert {replica_of(s) for s in sids} == {"gone-a", "gone-b"}
+            for sid in sids:
+                assert client.step([(sid, "<answer>Left</answer>")])[0].status.code == 0
+            lanes = dict(client._lanes)
+            assert {k[0] for k in lanes} == {"gone-a", "gone-b"}
+            (gone,) = [lane for k, lane in lanes.items() if k[0] == "gone-a"]
+            (kept,) = [s for s in sids if replica_of(s) == "gone-b"]
+            c.replicas["gone-a"].kill()
+            deadline = time.monotonic() + 60
+            while not gone.closed and time.monotonic() < deadline:
+                client.close_sessions(client.open("frozenlake", 1))  # a listing: retires what is gone
+                assert client.step([(kept, "<answer>Left</answer>")])[0].status.code == 0
+                time.sleep(0.2)
+            assert gone.closed
+            assert {k[0] for k in client._lanes} == {"gone-b"}
+    finally:
+        c.close()
+
+
+def test_a_streaming_client_dropped_without_close_closes_its_lanes():
+    """A client no one closed (an adapter's env collected with its trainer) ends its lanes when it
+    is collected: each holds gRPC threads that a later fork would otherwise carry."""
+    import gc
+
+    from envserve.client import StreamingClient, sync_lane
+    from serverproc import ServerProcess
+    with ServerProcess(["frozenlake"], workers=1, metrics=False) as server:
+        c = StreamingClient(server.address)
+        sid = c.open("frozenlake", 1, {"max_turns": 1000})[0]
+        c.reset([sid], [0])
+        assert c.step([(sid, "<answer>Left</answer>")])[0].turn == 1
+        (lane,) = c._lanes.values()
+        threads = list(lane.threads)
+        assert not lane.closed and lane in sync_lane._OPEN
+        assert any(t.is_alive() for t in threads), "a lane runs gRPC threads while it is open"
+        del c
+        gc.collect()
+        assert lane.closed and lane not in sync_lane._OPEN
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)

@@ -3,14 +3,15 @@
 Frameworks call environments from plain threads, one blocking call at a time (a TRL tool, SkyRL's
 and GEM's `step`). A unary Step per call pays a whole gRPC call each time; here every call of the
 process runs on one background event loop (a daemon thread, made on first use), through one
-AsyncRoutedClient with `stream_steps`: one Interact stream per replica, shared by every thread. A
-thread stepping alone writes and reads on the stream itself; threads that overlap share its
-messages. Routing (a directory URL, several addresses or one) and recovery are the routed
-client's.
+AsyncRoutedClient with `stream_steps`: one Interact stream per replica, shared by every thread;
+threads that overlap share its messages. A thread stepping alone skips the loop and its thread
+hops: it writes and reads on the replica's lane (sync_lane.py) itself. Routing (a directory URL,
+several addresses or one) and recovery are the routed client's.
 
 Fork (PyTorch's DataLoader starts its workers so): gRPC's core cannot be forked while a thread is
 inside it, and the loop's channels always are. So before a fork the process lets the calls in
-flight finish (new ones wait), closes every client's streams and channels and stops the loop;
+flight finish (new ones wait), closes every client's streams and channels and every lane of the
+process (waiting for their gRPC threads) and stops the loop;
 parent and child each start a loop again on their next call. Session histories survive the fork,
 so sessions the parent opened can still be stepped, and rebuilt, from either side. Where gRPC's
 asyncio poller still runs at the fork (an asyncio channel or server of the process's own, not this
@@ -31,11 +32,15 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import grpc
 
+from envserve.directory import replica_of
 from envserve.v1 import envserve_pb2 as pb
 
+from . import seats
 from .aio_routing import AsyncRoutedClient
 from .errors import make_error
 from .recovery import RecoverySettings, SessionTable
+from . import sync_lane
+from .sync_lane import SyncLane
 
 log = logging.getLogger(__name__)
 _LOCK = threading.Lock()
@@ -91,12 +96,15 @@ def _before_fork() -> None:
             loop.close()
         _LOOP[:] = [None, None, None]
         loop_stuck = thread.is_alive()
+    # Every lane of the process, its client's or one a client dropped unclosed left open: their
+    # gRPC threads must be out of gRPC's core at the fork.
+    lanes_stuck = sync_lane.close_all(max(1.0, deadline - time.monotonic()))
     gc.collect()  # the closed channels freed now, so gRPC's poller ends before the fork
     for poller in _grpc_pollers():
         poller.join(max(0.1, deadline - time.monotonic()))
-    _STATE["grpc_running"] = bool(_grpc_pollers())
+    _STATE["grpc_running"] = bool(_grpc_pollers()) or bool(lanes_stuck)
     # One warning, naming the cause: a stuck call of this client's keeps the poller alive too.
-    if loop_stuck:
+    if loop_stuck or lanes_stuck:
         log.warning("forking with a call still inside gRPC after %.0f s: the child's calls will "
                     "fail", FORK_WAIT)
     elif _STATE["grpc_running"]:
@@ -160,6 +168,14 @@ def _watch_forks() -> None:
                         after_in_child=lambda: _after_fork(True))
 
 
+def _close_lanes(lanes: "dict[tuple[str, str], SyncLane]") -> None:
+    """Closes a client's lanes (its close(), a fork, or its collection)."""
+    for key in list(lanes):
+        lane = lanes.pop(key, None)
+        if lane is not None:
+            lane.close()
+
+
 class StreamingClient:
     """The sync surface of RoutedClient (open_sessions, reset, step, fork, get_state, close_sessions,
     get_spec, list_envs), run on the process's background loop. target: a directory URL, the
@@ -183,6 +199,11 @@ class StreamingClient:
         # The histories outlive the routed clients made over time (after a fork, after close()).
         self._table = SessionTable(recovery if isinstance(recovery, RecoverySettings)
                                    else RecoverySettings(enabled=bool(recovery)))
+        # This process's lanes (sync_lane.py) by (replica id, address): a lone thread's steps. A
+        # client dropped without close() closes them when collected (each holds a gRPC thread).
+        self._lanes: dict[tuple[str, str], SyncLane] = {}
+        weakref.finalize(self, _close_lanes, self._lanes)
+        self._blocking_seen = -1  # how many channels the routed client had when lanes were last checked
         _CLIENTS.add(self)
 
     @property
@@ -204,8 +225,9 @@ class StreamingClient:
         """Closes this process's streams and channels (a fork is coming); the next call makes them."""
         with self._lock:
             client, self._client = self._client, None
-            if client is None or self._pid != os.getpid():
-                return
+        _close_lanes(self._lanes)
+        if client is None or self._pid != os.getpid():
+            return
         try:
             asyncio.run_coroutine_threadsafe(client.close(), self._loop).result(wait)
         except Exception:  # noqa: BLE001 (closing what may be broken already)
@@ -267,9 +289,88 @@ class StreamingClient:
 
     def step(self, actions: "Mapping[str, str] | Iterable[tuple[str, str]]") -> list[pb.StepResult]:
         pairs = list(actions.items()) if isinstance(actions, Mapping) else list(actions)
-        if len(pairs) == 1:  # one caller's step: the short path, bounded here (see step_one)
+        if len(pairs) == 1:  # one caller's step: a lane if free, else the loop's short path (step_one)
+            if self.stream_steps:
+                result = self._step_on_lane(*pairs[0])
+                if result is not None:
+                    return [result]
             return [self._run(AsyncRoutedClient.step_one, *pairs[0], timeout=self._one_call_wait())]
         return self._run(AsyncRoutedClient.step, pairs)
+
+    def _step_on_lane(self, session_id: str, action: str) -> pb.StepResult | None:
+        """The step on its replica's lane, by this thread, when no other call of the process is in
+        flight and the session is where the routed client last saw it; None sends it the loop's way
+        (a first call, overlapping calls, a seat, a broken stream, a lost session: the loop's path
+        recovers)."""
+        client = self._client
+        if client is None or self._pid != os.getpid() or not _WATCHING[0]:
+            return None
+        with _FLIGHT:
+            # Only a call alone in the process: where calls overlap, the loop's stream carries them
+            # together in fewer messages (and a lane's gRPC threads would take the loop's CPU).
+            if _STATE["forking"] or _STATE["in_flight"]:
+                return None  # (when forking, _run waits for the fork, or refuses in the fork hook)
+            _STATE["in_flight"] += 1
+        try:
+            real = self._table.current(session_id)
+            if seats.is_seat(real):
+                return None  # answered at the seat's next turn: the loop's stream shares the wait
+            r = client._known.get(replica_of(real))
+            if r is None:
+                return None
+            lane = self._lane(client, r)
+            if not lane.busy.acquire(blocking=False):
+                return None
+            try:
+                result = lane.exchange(pb.StepItem(session_id=real, action=action), self.timeout)
+            except (grpc.RpcError, EOFError):
+                self._forget_lane(lane)
+                if lane.timed_out:
+                    raise make_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                     f"no answer within {self.timeout:g} s") from None
+                return None
+            finally:
+                lane.busy.release()
+            if result.status.code and self._table.recoverable(session_id, result.status.code):
+                return None
+            return self._table.answer(session_id, result, action)
+        finally:
+            with _FLIGHT:
+                _STATE["in_flight"] -= 1
+                if _STATE["forking"]:
+                    _FLIGHT.notify_all()
+
+    def _lane(self, client: AsyncRoutedClient, r) -> SyncLane:
+        if len(client._blocking) != self._blocking_seen:
+            self._close_retired_lanes(client)
+        key = (r.replica_id, client.address(r))
+        lane = self._lanes.get(key)
+        if lane is not None and not lane.closed:
+            return lane
+        with self._lock:
+            lane = self._lanes.get(key)
+            if lane is None or lane.closed:
+                blocking = client.blocking_client(r)  # the routed client's channel to that replica
+                lane = self._lanes[key] = SyncLane(blocking.env, blocking.metadata)
+            return lane
+
+    def _close_retired_lanes(self, client: AsyncRoutedClient) -> None:
+        """Closes the lanes whose channel the routed client retired (a replica gone, or restarted at
+        another address): each would hold a blocked gRPC thread for good."""
+        with client._lock:
+            live = set(client._blocking)
+        with self._lock:
+            self._blocking_seen = len(live)
+            retired = [self._lanes.pop(k, None) for k in [k for k in list(self._lanes) if k not in live]]
+        for lane in retired:
+            if lane is not None:
+                lane.close()
+
+    def _forget_lane(self, lane: SyncLane) -> None:
+        lane.close()
+        with self._lock:
+            for key in [k for k, v in list(self._lanes.items()) if v is lane]:
+                self._lanes.pop(key, None)
 
     def _one_call_wait(self) -> float | None:
         """How long one step may take in all: its deadline, plus a recovery's where one may run."""
@@ -322,7 +423,6 @@ class StreamingClient:
 
     def replica_of(self, session_id: str) -> str:
         """The replica id holding a caller's session now (it changes when the session is rebuilt)."""
-        from envserve.directory import replica_of
         return replica_of(self.routed.sessions.current(session_id))
 
     def close(self) -> None:
