@@ -13,7 +13,7 @@ from envserve.v1 import envserve_pb2_grpc as pb_grpc
 from . import _requests as rq
 from . import seats
 from .client import auth_metadata, make_channel
-from .errors import from_rpc_error
+from .errors import from_rpc_error, from_unary_error
 
 
 class AsyncEnvClient:
@@ -32,7 +32,7 @@ class AsyncEnvClient:
         try:
             return await method(request, timeout=self.timeout, metadata=metadata or self.metadata)
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            raise from_unary_error(e) from None
 
     async def open(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
                    action_format: str = "") -> list[str]:

@@ -11,7 +11,7 @@ from envserve.v1 import envserve_pb2_grpc as pb_grpc
 
 from . import _requests as rq
 from . import seats
-from .errors import check, from_rpc_error
+from .errors import check, from_rpc_error, from_unary_error
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
                    ("grpc.max_send_message_length", 64 * 1024 * 1024)]
@@ -77,7 +77,7 @@ class EnvClient(ChannelOwner):
         try:
             return method(request, timeout=self.timeout, metadata=metadata or self.metadata)
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            raise from_unary_error(e) from None
 
     def list_envs(self) -> list[pb.EnvSpec]:
         return list(self._call(self.env.ListEnvs, pb.ListEnvsRequest()).envs)

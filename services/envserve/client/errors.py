@@ -56,6 +56,17 @@ def from_rpc_error(e: grpc.RpcError) -> EnvServeError:
     return make_error(e.code(), e.details() or "", "")
 
 
+def from_unary_error(e: grpc.RpcError) -> EnvServeError:
+    """from_rpc_error for a unary call, where CANCELLED becomes UNAVAILABLE. Its caller cannot have
+    cancelled it (a blocking call has no handle to cancel; an awaited one raises CancelledError in
+    the caller's task instead), so the other end did: a gRPC server shutting down cancels the calls
+    that reach it meanwhile. UNAVAILABLE sends the caller, and the routed clients, elsewhere."""
+    if e.code() == grpc.StatusCode.CANCELLED:
+        return UnavailableError(grpc.StatusCode.UNAVAILABLE,
+                                f"the call was cancelled under its caller (a stopping replica does that): {e.details()}")
+    return from_rpc_error(e)
+
+
 def item_error(result) -> EnvServeError | None:
     """The error of one batch item (a StepResult), or None when it succeeded."""
     if result.status.code == 0:

@@ -27,7 +27,7 @@ from . import _requests as rq
 from . import seats
 from .addresses import directory_for
 from .client import EnvClient
-from .errors import EnvServeError, UnavailableError, from_rpc_error, make_error
+from .errors import EnvServeError, UnavailableError, from_unary_error, make_error
 from .recovery import RecoverySettings, SessionTable, lost_result, replica_gone
 
 _TIE_RANDOM = random.SystemRandom()
@@ -491,8 +491,8 @@ class RoutedClient(Router):
                     try:
                         resp = fut.result()
                     except grpc.RpcError as e:
-                        err = from_rpc_error(e)
-                        if e.code() not in _RETRY_ELSEWHERE:
+                        err = from_unary_error(e)
+                        if err.code not in _RETRY_ELSEWHERE:
                             self.close_sessions(opened)  # all or nothing, as one replica's Open is
                             raise err from None
                         last_error = err
