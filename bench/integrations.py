@@ -17,6 +17,7 @@ moves, the last push ends the episode) and is reset, outside the timing, when it
 
     .venv/bin/python bench/integrations.py --json
     .venv/bin/python bench/integrations.py --json --serial-only --rounds 7   # the serial part alone
+    .venv/bin/python bench/integrations.py --json --replicas-only --rounds 5  # the spread alone
 """
 from __future__ import annotations
 
@@ -262,6 +263,10 @@ def run(args) -> dict:
         path = os.pathsep.join(filter(None, [pushbox_distribution(Path(tmp)), os.environ.get("PYTHONPATH", "")]))
         env_vars = {"PYTHONPATH": path}
         os.environ["PYTHONPATH"] = path  # the drive processes load the pushbox env too (its spec)
+        if args.replicas_only:
+            runs = [replicas(args, env_vars) for _ in range(args.rounds)]
+            return {**out, "replicas_by_round": runs,
+                    "most_over_least_by_round": [r["most_over_least"] for r in runs]}
         oe = OpenEnvServer(sys.executable, args.processes * args.threads, Path(tmp) / "openenv.log")
         try:
             for name, extra, workers in (("inline", ["--inline"], 1), ("workers", [], args.workers)):
@@ -323,6 +328,7 @@ def main() -> int:
     ap.add_argument("--concurrent-inline", action="store_true", help="also the concurrent runs against --inline")
     ap.add_argument("--endpoint", action="store_true", help="also bench/openenv_endpoint.py's 64-socket run")
     ap.add_argument("--serial-only", action="store_true", help="only the serial measurements")
+    ap.add_argument("--replicas-only", action="store_true", help="only the 3-replica spread, once a round")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--drive", help=argparse.SUPPRESS)
     ap.add_argument("--target", help=argparse.SUPPRESS)

@@ -1,6 +1,8 @@
 """The directory and routing across replicas, with a real redis-server and real replica processes."""
 from __future__ import annotations
 
+import asyncio
+import collections
 import subprocess
 import sys
 import time
@@ -8,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from envserve.client import EnvClient, RoutedClient, check
+from envserve.client import AsyncRoutedClient, EnvClient, RoutedClient, check
 from envserve.directory import ReplicaInfo, open_directory, replica_of
 from envserve.directory.memory import MemoryDirectory
 from serverproc import ServerProcess
@@ -146,6 +148,42 @@ def test_a_replica_heartbeats_soon_after_its_sessions_change(redis_server):
         assert [replica_of(s) for s in fresh.open("sokoban", 2)] == ["slow-a", "slow-a"]
         fresh.close()
         opener.close()
+    finally:
+        a.kill()
+        b.kill()
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_an_opens_answer_counts_what_other_clients_opened_there(redis_server, kind):
+    """Replicas whose listed counts stay old (a 30 s heartbeat, none on change): another client's
+    ten sessions on one of them show in the answer of this router's first Open there, so its next
+    Opens fill the other; a listing older than those answers does not undo them."""
+    url = redis_server.url + "?prefix=answer-count-" + kind
+    a, b = (ServerProcess(["sokoban"], workers=1, metrics=False, extra=[
+        "--directory", url, "--heartbeat-seconds", "30", "--heartbeat-on-change-seconds", "0",
+        "--replica-id", rid]) for rid in ("busy", "idle"))
+    try:
+        directory = open_directory(url)
+        _wait_listed(directory, ["busy", "idle"])
+        with EnvClient(a.address) as other:
+            other.open("sokoban", 10)
+        assert {r.replica_id: r.live_sessions for r in directory.replicas()} == {"busy": 0, "idle": 0}
+        directory.close()
+        if kind == "sync":
+            with RoutedClient(url, recovery=False) as router:
+                ids = [router.open("sokoban", 1)[0] for _ in range(12)]
+                router.replicas(refresh=True)
+                loads = {r.replica_id: router.load(r) for r in router.replicas()}
+        else:
+            async def run():
+                async with AsyncRoutedClient(url, recovery=False) as router:
+                    got = [(await router.open("sokoban", 1))[0] for _ in range(12)]
+                    router.replicas(refresh=True)
+                    return got, {r.replica_id: router.load(r) for r in router.replicas()}
+            ids, loads = asyncio.run(run())
+        placed = collections.Counter(replica_of(s) for s in ids)
+        assert abs(10 + placed["busy"] - placed["idle"]) <= 1, placed
+        assert loads == {"busy": 10 + placed["busy"], "idle": placed["idle"]}
     finally:
         a.kill()
         b.kill()

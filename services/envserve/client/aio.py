@@ -41,9 +41,15 @@ class AsyncEnvClient:
     async def open_with_prompt(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
                                action_format: str = "") -> tuple[list[str], str]:
         """(session ids, the system prompt they share: the env's rules plus the answer format)."""
+        r = await self.open_sessions(env_id, count, config, action_format)
+        return list(r.session_ids), r.system_prompt
+
+    async def open_sessions(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
+                            action_format: str = "") -> pb.OpenResponse:
+        """Open, returning the whole reply: ids, lease, the sessions' system prompt, the replica's load."""
         r = await self._call(self.env.Open, rq.open_request(env_id, count, config, action_format))
         seats.note_opened(r.session_ids, config)
-        return list(r.session_ids), r.system_prompt
+        return r
 
     async def list_envs(self) -> list[pb.EnvSpec]:
         return list((await self._call(self.env.ListEnvs, pb.ListEnvsRequest())).envs)

@@ -98,10 +98,13 @@ class AsyncRoutedClient(Router):
                 continue
             rids = list(claims)
             replies = await asyncio.gather(
-                *[self.client_for(self._known[rid]).open_with_prompt(env_id, claims[rid][0], config, action_format)
+                *[self.client_for(self._known[rid]).open_sessions(env_id, claims[rid][0], config, action_format)
                   for rid in rids], return_exceptions=True)
             for rid, reply in zip(rids, replies):
-                self.settle(rid, claims[rid][1], 0 if isinstance(reply, BaseException) else len(reply[0]))
+                if isinstance(reply, BaseException):
+                    self.settle(rid, claims[rid][1], 0)
+                else:
+                    self.settle(rid, claims[rid][1], len(reply.session_ids), reply)
             for rid, reply in zip(rids, replies):
                 if isinstance(reply, EnvServeError) and reply.code in _RETRY_ELSEWHERE:
                     last_error = reply
@@ -110,8 +113,8 @@ class AsyncRoutedClient(Router):
                     await self.close_sessions(opened)
                     raise reply
                 else:
-                    ids, prompt = reply
-                    opened.extend(ids)
+                    opened.extend(reply.session_ids)
+                    prompt = reply.system_prompt
         if len(opened) < count:
             await self.close_sessions(opened)
             raise last_error or UnavailableError(

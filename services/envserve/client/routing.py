@@ -12,6 +12,7 @@ turn's anchor, then answers the call as if nothing had happened. The caller keep
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -129,7 +130,7 @@ class Router:
                     raise
             else:
                 with self._lock:
-                    self._known = {r.replica_id: r for r in found}
+                    self._known = {r.replica_id: self._fresher(r) for r in found}
                     self._seen.update(self._known)
                     self._fetched = now = time.monotonic()
                     self._forget_counted()
@@ -137,6 +138,16 @@ class Router:
                 if gone:
                     self._retire(gone)
         return [r for r in self._known.values() if env_id is None or env_id in r.envs]
+
+    def _fresher(self, listed: ReplicaInfo) -> ReplicaInfo:
+        """(Under the lock.) A listed replica, with the count an Open's answer gave where that is
+        newer than the listing's heartbeat (the same run of the replica: counts of another are moot)."""
+        known = self._known.get(listed.replica_id)
+        counted = listed.counted_unix or listed.heartbeat_unix
+        if (known is None or not counted or known.started_unix != listed.started_unix
+                or known.counted_unix <= counted):
+            return listed
+        return dataclasses.replace(listed, live_sessions=known.live_sessions, counted_unix=known.counted_unix)
 
     def _forget_counted(self) -> None:
         """(Under the lock, after a listing.) Drop the openings each replica's listed count already
@@ -300,15 +311,23 @@ class Router:
             self._opened.setdefault(replica_id, []).append(entry)
         return entry
 
-    def settle(self, replica_id: str, entry: list, opened: int) -> None:
+    def settle(self, replica_id: str, entry: list, opened: int, reply: "pb.OpenResponse | None" = None) -> None:
         """A reservation's Open answered with `opened` sessions (0: it failed): they count from now
-        until a heartbeat has counted them."""
+        until a heartbeat has counted them. The reply's own count of the replica's sessions (newer
+        than its heartbeat) replaces the listed one, with this client's openings it already holds:
+        other processes' openings there count at once, not a heartbeat later."""
         with self._lock:
             entries = self._opened.setdefault(replica_id, [])
             kept = next((i for i, e in enumerate(entries) if e is entry), None)
             if kept is not None:
                 del entries[kept]
-            if opened:
+            r = self._known.get(replica_id)
+            if (reply is not None and reply.counted_unix and r is not None
+                    and reply.counted_unix > (r.counted_unix or r.heartbeat_unix)):
+                self._known[replica_id] = dataclasses.replace(
+                    r, live_sessions=reply.live_sessions, counted_unix=reply.counted_unix)
+                entries[:] = [e for e in entries if e[0] > reply.counted_unix]
+            elif opened:
                 entries.append([time.time(), opened])
             if not entries:
                 del self._opened[replica_id]
@@ -478,7 +497,7 @@ class RoutedClient(Router):
                 self._refresh_quietly()
                 tried.clear()
                 continue
-            calls, got = [], {rid: 0 for rid in claims}
+            calls, got, replies = [], {rid: 0 for rid in claims}, {}
             for rid, (n, _) in claims.items():
                 r = self._known[rid]
                 stub = self.client_for(r)
@@ -503,9 +522,11 @@ class RoutedClient(Router):
                     lease = min(lease, resp.lease_seconds) if lease else resp.lease_seconds
                     prompt = prompt or resp.system_prompt
                     got[rid] += len(resp.session_ids)
+                    if rid not in replies or resp.counted_unix > replies[rid].counted_unix:
+                        replies[rid] = resp
             finally:
                 for rid, (_, entry) in claims.items():
-                    self.settle(rid, entry, got[rid])
+                    self.settle(rid, entry, got[rid], replies.get(rid))
         if remaining > 0:
             self.close_sessions(opened)
             if last_error is not None:

@@ -425,7 +425,8 @@ class EnvService(pb_grpc.EnvServiceServicer):
             ids, prompt = await self.r.open(request.env_id, request.count, config, request.action_format, owner)
         except Refused as e:
             await context.abort(e.code, e.message)
-        return pb.OpenResponse(session_ids=ids, lease_seconds=self.r.config.lease_seconds, system_prompt=prompt)
+        return pb.OpenResponse(session_ids=ids, lease_seconds=self.r.config.lease_seconds, system_prompt=prompt,
+                               live_sessions=len(self.r.sessions), counted_unix=time.time())
 
     async def Reset(self, request, context):
         return await self._batch([_reset_item(it) for it in request.items], context)

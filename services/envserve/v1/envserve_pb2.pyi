@@ -92,14 +92,18 @@ class OpenRequest(_message.Message):
     def __init__(self, env_id: _Optional[str] = ..., count: _Optional[int] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., action_format: _Optional[str] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
-    __slots__ = ("session_ids", "lease_seconds", "system_prompt")
+    __slots__ = ("session_ids", "lease_seconds", "system_prompt", "live_sessions", "counted_unix")
     SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    LIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    COUNTED_UNIX_FIELD_NUMBER: _ClassVar[int]
     session_ids: _containers.RepeatedScalarFieldContainer[str]
     lease_seconds: float
     system_prompt: str
-    def __init__(self, session_ids: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ..., system_prompt: _Optional[str] = ...) -> None: ...
+    live_sessions: int
+    counted_unix: float
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ..., system_prompt: _Optional[str] = ..., live_sessions: _Optional[int] = ..., counted_unix: _Optional[float] = ...) -> None: ...
 
 class ResetItem(_message.Message):
     __slots__ = ("session_id", "seed", "task_id", "split", "same_task")

@@ -90,7 +90,7 @@ class Gateway:
             except BaseException:
                 self.table.settle(r, reservation, 0)
                 raise
-            self.table.settle(r, reservation, len(resp.session_ids))
+            self.table.settle(r, reservation, len(resp.session_ids), resp)
             return r, resp
         raise last
 

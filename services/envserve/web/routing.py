@@ -203,7 +203,7 @@ class ReplicaTable:
             return None
         return self.router.reserve(r.replica_id, count)
 
-    def settle(self, r: ReplicaInfo, reservation, opened: int) -> None:
-        """The Open answered with `opened` sessions (0: it failed)."""
+    def settle(self, r: ReplicaInfo, reservation, opened: int, reply: "pb.OpenResponse | None" = None) -> None:
+        """The Open answered with `opened` sessions (0: it failed); reply: its answer, with the load."""
         if reservation is not None:
-            self.router.settle(r.replica_id, reservation, opened)
+            self.router.settle(r.replica_id, reservation, opened, reply)
