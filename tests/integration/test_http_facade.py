@@ -267,3 +267,46 @@ def test_up_serves_the_facade_beside_the_replica():
         ok(http.post("/v1/reset", json={"items": [{"sessionId": sid, "seed": 2}]}))
         ok(http.post("/v1/step", json={"items": [{"sessionId": sid, "action": MOVE.format("Left")}]}))
         assert live_sessions(http)[sid]["turn"] == 1
+
+
+def test_an_open_that_reaches_a_stopping_replica_opens_on_another():
+    """Opens over HTTP from threads while one of the two replicas stops: those that reach it as its
+    gRPC server shuts down (which cancels them) go to the other replica, like a refused one."""
+    import collections
+    import signal
+    import threading
+    stopping, other = ServerProcess(["sokoban"], workers=1, metrics=False), ServerProcess(["sokoban"], workers=1,
+                                                                                         metrics=False)
+    outcomes, lock, stop = collections.Counter(), threading.Lock(), threading.Event()
+
+    def hammer(url):
+        with httpx.Client(base_url=url, timeout=60) as http:
+            while not stop.is_set():
+                r = http.post("/v1/sessions", json={"envId": "sokoban"})
+                with lock:
+                    outcomes["OK" if r.status_code == 200 else f"{r.status_code} {r.text[:120]}"] += 1
+
+    def until(done):
+        deadline = time.monotonic() + 60
+        while not done() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    try:
+        with WebProcess.facade([stopping.address, other.address]) as w:
+            threads = [threading.Thread(target=hammer, args=(w.url,)) for _ in range(6)]
+            for t in threads:
+                t.start()
+            try:
+                until(lambda: outcomes["OK"] >= 10)
+                stopping.proc.send_signal(signal.SIGTERM)
+                assert stopping.proc.wait(60) == 0
+                after = sum(outcomes.values())
+                until(lambda: sum(outcomes.values()) >= after + 12)  # Opens after it exited too
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join(60)
+    finally:
+        stopping.kill()
+        other.kill()
+    assert set(outcomes) == {"OK"}, outcomes

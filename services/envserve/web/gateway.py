@@ -22,7 +22,10 @@ log = logging.getLogger("envserve.web")
 
 
 # Open failures that another replica may not have: full, draining, down, slow.
-_TRY_NEXT = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# CANCELLED: the facade cancelled nothing, so the replica did (a gRPC server stopping cancels the
+# calls that reach it meanwhile).
+_TRY_NEXT = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+             grpc.StatusCode.CANCELLED)
 
 
 class Gateway:
