@@ -1,6 +1,7 @@
 """Start real envserve servers as subprocesses on loopback, for tests and benchmarks."""
 from __future__ import annotations
 
+import collections
 import os
 import re
 import signal
@@ -23,6 +24,44 @@ def stop_on_sigterm() -> None:
     def _unwind(signum, frame):
         raise SystemExit(128 + signum)
     signal.signal(signal.SIGTERM, _unwind)
+
+
+def calls_while_it_stops(proc: subprocess.Popen, call, threads: int = 4) -> collections.Counter:
+    """SIGTERMs a replica process while `threads` threads make call() back to back, until it has
+    exited and each thread has called about twice more; returns how often each outcome happened:
+    call()'s return value, or for an exception its gRPC code's name (else its repr)."""
+    outcomes: collections.Counter = collections.Counter()
+    lock, stop = threading.Lock(), threading.Event()
+
+    def hammer():
+        while not stop.is_set():
+            try:
+                outcome = call()
+            except Exception as e:  # noqa: BLE001 - counted, so that the caller's assertions name it
+                code = getattr(e, "code", None)
+                outcome = code.name if isinstance(code, grpc.StatusCode) else repr(e)
+            with lock:
+                outcomes[outcome] += 1
+
+    def until(done):
+        deadline = time.monotonic() + 60
+        while not done() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    workers = [threading.Thread(target=hammer) for _ in range(threads)]
+    for t in workers:
+        t.start()
+    try:
+        until(lambda: sum(outcomes.values()) >= 10)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        after = sum(outcomes.values())
+        until(lambda: sum(outcomes.values()) >= after + 2 * threads)  # calls made after it exited too
+    finally:
+        stop.set()
+        for t in workers:
+            t.join(60)
+    return outcomes
 
 
 def start_cli(args, line_pattern: re.Pattern, env_vars=None, what="server"):

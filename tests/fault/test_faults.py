@@ -1,6 +1,5 @@
 """Faults with real processes: a worker killed mid-batch, SIGTERM mid-batch, idle leases, hostile input."""
 import asyncio
-import collections
 import os
 import random
 import re
@@ -15,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from envserve.client import AsyncRoutedClient, EnvClient, RoutedClient, item_error
 from envserve.client.errors import EnvServeError, SessionLostError, SessionNotFoundError, UnavailableError
-from serverproc import ServerProcess
+from serverproc import ServerProcess, calls_while_it_stops
 
 # Unparsable, so it never ends an episode, yet each step renders and records the turn.
 MOVE = "<think>wait</think>"
@@ -111,53 +110,13 @@ def test_sigterm_drains_in_flight_batch_then_exits():
         server.kill()
 
 
-def _open_while_it_stops(server, open_one, threads: int = 4) -> collections.Counter:
-    """SIGTERM an idle replica while `threads` threads call open_one() back to back, until it has
-    exited; returns how often each outcome ("OK", or an error's code name) happened. Calls that reach
-    the gRPC server while it shuts down are the ones a plain stop answers CANCELLED."""
-    outcomes: collections.Counter = collections.Counter()
-    lock, stop = threading.Lock(), threading.Event()
-
-    def hammer():
-        while not stop.is_set():
-            try:
-                open_one()
-                outcome = "OK"
-            except EnvServeError as e:
-                outcome = e.code.name
-            except Exception as e:  # noqa: BLE001 - counted, so that the assertions name it
-                outcome = repr(e)
-            with lock:
-                outcomes[outcome] += 1
-
-    def until(done):
-        deadline = time.monotonic() + 60
-        while not done() and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-    workers = [threading.Thread(target=hammer) for _ in range(threads)]
-    for t in workers:
-        t.start()
-    try:
-        until(lambda: outcomes["OK"] >= 10)
-        server.proc.send_signal(signal.SIGTERM)
-        assert server.proc.wait(60) == 0
-        after = sum(outcomes.values())
-        until(lambda: sum(outcomes.values()) >= after + 2 * threads)  # calls made after it exited too
-    finally:
-        stop.set()
-        for t in workers:
-            t.join(60)
-    return outcomes
-
-
 def test_an_open_that_reaches_a_stopping_replica_is_unavailable_never_cancelled():
     """A blocking call has no handle its caller could cancel, so a CANCELLED from a replica that stops
     under it would send the caller to the wrong handling: UNAVAILABLE says go elsewhere."""
     server = ServerProcess(["sokoban"], workers=1)
     try:
         with EnvClient(server.address, timeout=5) as client:
-            outcomes = _open_while_it_stops(server, lambda: client.open("sokoban", 1))
+            outcomes = calls_while_it_stops(server.proc, lambda: client.open("sokoban", 1) and "OK")
     finally:
         server.kill()
     assert outcomes["OK"] > 0 and outcomes["UNAVAILABLE"] > 0
@@ -176,7 +135,7 @@ def test_a_routed_open_that_reaches_a_stopping_replica_opens_on_another(kind):
     try:
         if kind == "sync":
             client = RoutedClient(addresses, timeout=10, refresh_seconds=STALE)
-            open_one = lambda: client.open("sokoban", 1)  # noqa: E731
+            open_one = lambda: client.open("sokoban", 1) and "OK"  # noqa: E731
         else:
             client = AsyncRoutedClient(addresses, timeout=10, refresh_seconds=STALE)
             runner = asyncio.Runner()
@@ -189,8 +148,9 @@ def test_a_routed_open_that_reaches_a_stopping_replica_opens_on_another(kind):
 
             def open_one():
                 runner.run(open_many())
+                return "OK"
         try:
-            outcomes = _open_while_it_stops(stopping, open_one, threads=8 if kind == "sync" else 1)
+            outcomes = calls_while_it_stops(stopping.proc, open_one, threads=8 if kind == "sync" else 1)
         finally:
             if kind == "sync":
                 client.close()

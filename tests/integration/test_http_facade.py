@@ -12,7 +12,7 @@ from envserve.client import EnvClient, check
 from envserve.directory import ReplicaInfo, open_directory, replica_of
 from envserve.v1 import envserve_pb2 as pb
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
-from serverproc import ServerProcess
+from serverproc import ServerProcess, calls_while_it_stops
 from webproc import WebProcess
 
 MOVE = "<think>plan</think><answer>{}</answer>"
@@ -272,40 +272,14 @@ def test_up_serves_the_facade_beside_the_replica():
 def test_an_open_that_reaches_a_stopping_replica_opens_on_another():
     """Opens over HTTP from threads while one of the two replicas stops: those that reach it as its
     gRPC server shuts down (which cancels them) go to the other replica, like a refused one."""
-    import collections
-    import signal
-    import threading
-    stopping, other = ServerProcess(["sokoban"], workers=1, metrics=False), ServerProcess(["sokoban"], workers=1,
-                                                                                         metrics=False)
-    outcomes, lock, stop = collections.Counter(), threading.Lock(), threading.Event()
-
-    def hammer(url):
-        with httpx.Client(base_url=url, timeout=60) as http:
-            while not stop.is_set():
-                r = http.post("/v1/sessions", json={"envId": "sokoban"})
-                with lock:
-                    outcomes["OK" if r.status_code == 200 else f"{r.status_code} {r.text[:120]}"] += 1
-
-    def until(done):
-        deadline = time.monotonic() + 60
-        while not done() and time.monotonic() < deadline:
-            time.sleep(0.05)
-
+    stopping, other = (ServerProcess(["sokoban"], workers=1, metrics=False) for _ in range(2))
     try:
-        with WebProcess.facade([stopping.address, other.address]) as w:
-            threads = [threading.Thread(target=hammer, args=(w.url,)) for _ in range(6)]
-            for t in threads:
-                t.start()
-            try:
-                until(lambda: outcomes["OK"] >= 10)
-                stopping.proc.send_signal(signal.SIGTERM)
-                assert stopping.proc.wait(60) == 0
-                after = sum(outcomes.values())
-                until(lambda: sum(outcomes.values()) >= after + 12)  # Opens after it exited too
-            finally:
-                stop.set()
-                for t in threads:
-                    t.join(60)
+        with WebProcess.facade([stopping.address, other.address]) as w, \
+                httpx.Client(base_url=w.url, timeout=60) as http:
+            def open_one():
+                r = http.post("/v1/sessions", json={"envId": "sokoban"})
+                return "OK" if r.status_code == 200 else f"{r.status_code} {r.text[:120]}"
+            outcomes = calls_while_it_stops(stopping.proc, open_one, threads=6)
     finally:
         stopping.kill()
         other.kill()
