@@ -24,6 +24,7 @@ the minutes.
     .venv/bin/python bench/learn_vlm.py --output-dir runs/learn-vlm --json       # make learn-vlm
     .venv/bin/python bench/learn_vlm.py --quick --json                           # a few minutes
     .venv/bin/python bench/learn_vlm.py --device cuda --json                     # weights built on the GPU
+    .venv/bin/python bench/learn_vlm.py --config my.yaml --skip-base --rl-seeds 0  # an RL setting of your own
 """
 from __future__ import annotations
 
@@ -44,12 +45,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 CONFIG = "learn_vlm_frozenlake.yaml"
 
 
-def load_config(quick: bool):
+def load_config(quick: bool, path: str | None = None):
     """(TrainConfig, the bench section), with the quick run's overrides applied when asked."""
     import yaml
     from envserve_trainer.cli import BUNDLED_CONFIGS
     from envserve_trainer.config import BENCH_SECTION, TrainConfig
-    data = yaml.safe_load((BUNDLED_CONFIGS / CONFIG).read_text())
+    data = yaml.safe_load((Path(path) if path else BUNDLED_CONFIGS / CONFIG).read_text())
     bench = dict(data.pop(BENCH_SECTION))
     quick_overrides = bench.pop("quick", {})
     cfg = TrainConfig.from_mapping(data)
@@ -114,8 +115,9 @@ def run(args, cfg, bench: dict[str, Any], conn, log, started: float) -> dict[str
     log(f"{result['collect']['episodes']} demonstrations, expert success {result['collect']['success_rate']:.2f}, "
         f"{demos.stat().st_size / 1e6:.1f} MB")
 
-    result["stages"]["base"] = evaluate(cfg, HFVisionPolicy(base, codec), conn, samples)
-    log(f"base {json.dumps(result['stages']['base'])}")
+    if not args.skip_base:
+        result["stages"]["base"] = evaluate(cfg, HFVisionPolicy(base, codec), conn, samples)
+        log(f"base {json.dumps(result['stages']['base'])}")
     del base
 
     t1 = time.monotonic()
@@ -128,7 +130,8 @@ def run(args, cfg, bench: dict[str, Any], conn, log, started: float) -> dict[str
     t2 = time.monotonic()
     result["stages"]["sft"] = evaluate(cfg, sft.policy(), conn, samples)
     eval_seconds = time.monotonic() - t2
-    log(f"sft ({result['sft']['steps']} steps, loss {loss_first:.3f} -> {result['sft']['loss_last']:.3f}) "
+    log(f"sft ({result['sft']['steps']} steps in {result['sft']['seconds']:.0f} s, loss {loss_first:.3f} -> "
+        f"{result['sft']['loss_last']:.3f}) "
         f"{json.dumps(result['stages']['sft'])}")
     sft_policy = policy_folder(sft.save())
     del sft
@@ -155,8 +158,10 @@ def run(args, cfg, bench: dict[str, Any], conn, log, started: float) -> dict[str
         result["stages"][f"rl-seed{seed}"] = stage
         result.setdefault("rl", {})[str(seed)] = {
             "iterations": len(records), "seconds": round(time.monotonic() - t3, 1),
-            "train_success": [r["train"]["success_rate"] for r in records]}
-        log(f"rl seed {seed} ({len(records)} iterations) {json.dumps(stage)}")
+            "train_success": [r["train"]["success_rate"] for r in records],
+            "iteration_seconds": [round(r["timing"]["iteration_s"], 1) for r in records]}
+        log(f"rl seed {seed} ({len(records)} iterations, {result['rl'][str(seed)]['seconds']:.0f} s with its "
+            f"evaluation) {json.dumps(stage)}")
     return result
 
 
@@ -170,8 +175,12 @@ def summarize(result: dict[str, Any], minutes: float) -> dict[str, Any]:
                                "demos": result["collect"]["episodes"], "sft_steps": result["sft"]["steps"],
                                "sft_loss_first": round(result["sft"]["loss_first"], 4),
                                "sft_loss_last": round(result["sft"]["loss_last"], 4),
-                               "rl_iterations": {s: v["iterations"] for s, v in result.get("rl", {}).items()}}
-    for stage in ("base", "sft"):
+                               "rl_iterations": {s: v["iterations"] for s, v in result.get("rl", {}).items()},
+                               "sft_seconds_per_step": round(result["sft"]["seconds"] / max(result["sft"]["steps"], 1), 2),
+                               "rl_seconds_per_iteration": round(statistics.mean(
+                                   t for v in result.get("rl", {}).values() for t in v["iteration_seconds"]), 1)
+                               if result.get("rl") else None}
+    for stage in [s for s in ("base", "sft") if s in st]:
         for key in ("greedy_success", "sampled_success", "invalid_rate", "grounding_accuracy"):
             summary[f"{stage}_{key}"] = st[stage][key]
     for key in ("greedy_success", "sampled_success", "invalid_rate", "grounding_accuracy"):
@@ -196,6 +205,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="the config's short run (bench.quick): a few minutes")
     ap.add_argument("--minutes", type=float, default=None, help="the whole run's budget (default: bench.minutes)")
     ap.add_argument("--rl-seeds", type=int, nargs="+", default=None, help="default: bench.rl_seeds")
+    ap.add_argument("--config", help=f"a config of the same shape as the bundled {CONFIG} (its bench section too)")
+    ap.add_argument("--skip-base", action="store_true", help="no evaluation of the random-weight model (RL settings sweeps)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda: where the weights are built and trained")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
     args = ap.parse_args()
@@ -205,7 +216,7 @@ def main() -> int:
 
     from serverproc import JudgeProcess, ServerProcess
     from envserve_trainer.train import Connection
-    cfg, bench = load_config(args.quick)
+    cfg, bench = load_config(args.quick, args.config)
     started = time.monotonic()
 
     def log(msg: str) -> None:
