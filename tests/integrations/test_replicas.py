@@ -445,3 +445,48 @@ def test_a_streaming_client_dropped_without_close_closes_its_lanes():
         for t in threads:
             t.join(60)
         assert not any(t.is_alive() for t in threads)
+
+
+def test_steps_handed_over_from_many_threads_each_reach_their_own_caller():
+    """Overlapping sync steps are handed to the loop in a queue and answered straight to each
+    waiting thread: every thread gets its own session's next turn, the steps share messages of the
+    replica's stream, and nothing is left queued."""
+    from envserve.client import StreamingClient
+    from serverproc import ServerProcess
+    threads, rounds = 16, 30
+    with ServerProcess(["frozenlake"], workers=1, metrics=False) as server:
+        with StreamingClient(server.address) as c:
+            sids = c.open("frozenlake", threads, {"max_turns": 1000})
+            c.reset(sids, list(range(threads)))
+            c.step([(sids[0], "<answer>Left</answer>")])      # the stream is up (a lone step takes a lane)
+            c.step([(sids[0], "<answer>Left</answer>"), (sids[1], "<answer>Left</answer>")])
+            start = {sid: (2 if k == 0 else 1 if k == 1 else 0) for k, sid in enumerate(sids)}
+            handed = []
+            drain = c._drain
+
+            def counted_drain():
+                handed.append(len(c._queue))
+                drain()
+            c._drain = counted_drain
+            barrier = threading.Barrier(threads)
+            got: dict[str, list[tuple[str, int]]] = {}
+            (lane,) = c._lanes.values()
+
+            def rollout(sid):
+                barrier.wait()
+                got[sid] = [(r.session_id, r.turn) for _ in range(rounds)
+                            for r in c.step([(sid, "<answer>Left</answer>")])]
+            with lane.busy:  # the lane taken: every step goes the loop's way
+                ts = [threading.Thread(target=rollout, args=(sid,)) for sid in sids]
+                for t in ts:
+                    t.start()
+                for t in ts:
+                    t.join(120)
+            stream = next(iter(c.routed._streams.values()))
+            for sid in sids:
+                real = c.sessions.current(sid)
+                assert got[sid] == [(real, start[sid] + k + 1) for k in range(rounds)], sid
+            assert sum(handed) == threads * rounds, "every step went through the queue"
+            assert len(handed) < threads * rounds, "a drain took several steps at once"
+            assert stream.messages_sent < threads * rounds
+            assert c._queue == [] and not c._drain_due

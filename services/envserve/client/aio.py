@@ -269,6 +269,18 @@ class InteractStream:
         return await self._exchange(pb.InteractItem(tag=tag, step=item) if isinstance(item, pb.StepItem)
                                     else pb.InteractItem(tag=tag, reset=item))
 
+    def send_to_waiters(self, pairs: "Sequence[tuple[pb.StepItem, Any]]") -> None:
+        """Step items whose results go to waiters instead of awaiting tasks: anything with done(),
+        set_result() and set_exception(), set on this loop by the reader task (a blocking caller's
+        one-shot, handed over from its own thread with no task per item). Raises EOFError, and
+        registers nothing, when the stream is closed or ended."""
+        items = [pb.InteractItem(tag=next(self._tags), step=step) for step, _ in pairs]
+        self._send(items)
+        for item, (_, waiter) in zip(items, pairs):
+            self._waiters[item.tag] = waiter
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read_all())
+
     async def _exchange(self, item: pb.InteractItem) -> pb.StepResult:
         if (self._reader is None and self._alone is None and self._writer is None and not self.in_flight
                 and not self._closing and not seats.is_seat(_session_of(item))):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import gc
 import logging
 import os
@@ -37,7 +38,7 @@ from envserve.v1 import envserve_pb2 as pb
 
 from . import seats
 from .aio_routing import AsyncRoutedClient
-from .errors import make_error
+from .errors import EnvServeError, make_error
 from .recovery import RecoverySettings, SessionTable
 from . import sync_lane
 from .sync_lane import SyncLane
@@ -176,6 +177,37 @@ def _close_lanes(lanes: "dict[tuple[str, str], SyncLane]") -> None:
             lane.close()
 
 
+_FULL_PATH = object()  # _step_handed_over: take step()'s whole path
+
+
+class _Waiter:
+    """A blocking caller's one-shot result, set once on the loop (the stream's reader task) and
+    waited for by the caller's thread: a bare lock, the cheapest wake-up a thread has."""
+    __slots__ = ("_lock", "_set", "value", "error")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._set = False
+        self.value = self.error = None
+
+    def done(self) -> bool:
+        return self._set
+
+    def set_result(self, value) -> None:
+        if not self._set:
+            self._set, self.value = True, value
+            self._lock.release()
+
+    def set_exception(self, error: BaseException) -> None:
+        if not self._set:
+            self._set, self.error = True, error
+            self._lock.release()
+
+    def wait(self, timeout: float | None) -> bool:
+        return self._lock.acquire(timeout=-1 if timeout is None else timeout)
+
+
 class StreamingClient:
     """The sync surface of RoutedClient (open_sessions, reset, step, fork, get_state, close_sessions,
     get_spec, list_envs), run on the process's background loop. target: a directory URL, the
@@ -204,6 +236,10 @@ class StreamingClient:
         self._lanes: dict[tuple[str, str], SyncLane] = {}
         weakref.finalize(self, _close_lanes, self._lanes)
         self._blocking_seen = -1  # how many channels the routed client had when lanes were last checked
+        # Steps handed to the loop by threads (_step_handed_over), and whether a drain is scheduled.
+        self._queue: list = []
+        self._queue_lock = threading.Lock()
+        self._drain_due = False
         _CLIENTS.add(self)
 
     @property
@@ -217,6 +253,9 @@ class StreamingClient:
                     self._loop = process_loop()
                     self._client = AsyncRoutedClient(self.target, stream_steps=self.stream_steps, **self._kw)
                     self._client.sessions = self._table
+                    if self._pid != os.getpid():  # a forked child: a drain due in the parent is not its own
+                        with self._queue_lock:
+                            self._queue, self._drain_due = [], False
                     self._pid = os.getpid()
                 client = self._client
         return client
@@ -238,7 +277,10 @@ class StreamingClient:
         """The session table (caller ids, histories) recovery keeps."""
         return self._table
 
-    def _run(self, coro_fn, *args, timeout: "float | None | object" = ...):
+    @contextlib.contextmanager
+    def _in_flight(self):
+        """Counts a blocking call as in flight on the loop (a fork waits for it), after any fork
+        being prepared; refuses one that could only wait for itself."""
         if _STATE["grpc_unusable"]:
             raise make_error(grpc.StatusCode.FAILED_PRECONDITION, _STATE["grpc_unusable"])
         if _on_loop_thread():
@@ -252,6 +294,15 @@ class StreamingClient:
                 _FLIGHT.wait_for(lambda: not _STATE["forking"])
             _STATE["in_flight"] += 1
         try:
+            yield
+        finally:
+            with _FLIGHT:
+                _STATE["in_flight"] -= 1
+                if _STATE["forking"]:
+                    _FLIGHT.notify_all()
+
+    def _run(self, coro_fn, *args, timeout: "float | None | object" = ...):
+        with self._in_flight():
             client = self.routed
             # Deadlines are the routed client's own (a call's, a stream item's), so a recovery may
             # take its time; `timeout` here bounds only what has none of its own (a close).
@@ -265,11 +316,6 @@ class StreamingClient:
             except concurrent.futures.TimeoutError:
                 future.cancel()  # the item's result, when it comes, goes nowhere; the stream stays usable
                 raise make_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {wait:g} s") from None
-        finally:
-            with _FLIGHT:
-                _STATE["in_flight"] -= 1
-                if _STATE["forking"]:
-                    _FLIGHT.notify_all()
 
     # -- the calls ------------------------------------------------------------------------------------
     def open_sessions(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
@@ -289,13 +335,71 @@ class StreamingClient:
 
     def step(self, actions: "Mapping[str, str] | Iterable[tuple[str, str]]") -> list[pb.StepResult]:
         pairs = list(actions.items()) if isinstance(actions, Mapping) else list(actions)
-        if len(pairs) == 1:  # one caller's step: a lane if free, else the loop's short path (step_one)
+        if len(pairs) == 1:  # one caller's step: a lane if free, else its replica's shared stream
             if self.stream_steps:
                 result = self._step_on_lane(*pairs[0])
-                if result is not None:
+                if result is None:
+                    result = self._step_handed_over(*pairs[0])
+                if isinstance(result, pb.StepResult):
                     return [result]
+                if result is _FULL_PATH:  # the stream broke under it, or its session needs recovery
+                    return self._run(AsyncRoutedClient.step, pairs)
             return [self._run(AsyncRoutedClient.step_one, *pairs[0], timeout=self._one_call_wait())]
         return self._run(AsyncRoutedClient.step, pairs)
+
+    def _step_handed_over(self, session_id: str, action: str) -> "pb.StepResult | object | None":
+        """The step as an item of its replica's shared stream, handed to the loop in a queue that
+        one wake-up of the loop drains (every step queued meanwhile goes in the same message) and
+        answered straight to this thread: no task, and no wake-up, per step. None when the
+        session's stream is not up (a first call, a seat): step_one's path opens it; _FULL_PATH
+        when the stream broke or the session needs recovery: step()'s path rebuilds."""
+        client = self._client
+        if client is None or self._pid != os.getpid() or not _WATCHING[0]:
+            return None
+        waiter = _Waiter()
+        with self._in_flight():
+            with self._queue_lock:
+                self._queue.append((client, session_id, action, waiter))
+                wake, self._drain_due = not self._drain_due, True
+            if wake:
+                self._loop.call_soon_threadsafe(self._drain)
+            if not waiter.wait(self._one_call_wait()):
+                # The result, when it comes, goes nowhere; the stream stays usable.
+                raise make_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self._one_call_wait():g} s")
+        if waiter.error is not None:
+            if isinstance(waiter.error, (EOFError, EnvServeError)):
+                return _FULL_PATH
+            raise waiter.error
+        result = waiter.value
+        if result is None:
+            return None
+        if result.status.code and self._table.recoverable(session_id, result.status.code):
+            return _FULL_PATH
+        return self._table.answer(session_id, result, action)
+
+    def _drain(self) -> None:
+        """On the loop: every handed-over step onto its replica's stream, one send per stream."""
+        with self._queue_lock:
+            queued, self._queue = self._queue, []
+            self._drain_due = False
+        by_stream: dict = {}
+        for client, session_id, action, waiter in queued:
+            try:
+                real = client.sessions.current(session_id)
+                r = client._known.get(replica_of(real))
+                s = client._streams.get(client.client_for(r)) if r is not None and client is self._client else None
+            except Exception:  # noqa: BLE001 (step_one's path meets it again and reports it)
+                s = None
+            if s is None or seats.is_seat(real):
+                waiter.set_result(None)  # step_one's path: it opens the stream, or answers the seat
+            else:
+                by_stream.setdefault(s, []).append((pb.StepItem(session_id=real, action=action), waiter))
+        for s, pairs in by_stream.items():
+            try:
+                s.send_to_waiters(pairs)
+            except EOFError as e:
+                for _, waiter in pairs:
+                    waiter.set_exception(e)
 
     def _step_on_lane(self, session_id: str, action: str) -> pb.StepResult | None:
         """The step on its replica's lane, by this thread, when no other call of the process is in
