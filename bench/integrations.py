@@ -208,16 +208,17 @@ def drive(side: str, target: str, threads: int, seconds: float, warmup: float) -
         t.start()
     time.sleep(warmup)
     phase["record"] = True
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     time.sleep(seconds)
     phase["record"] = False
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     phase["stop"] = True
     for t in ts:
         t.join(30)
     for ro in rollouts:
         ro.close()
-    return {"steps": sum(counts), "seconds": elapsed, "replicas": dict(replicas), "errors": dict(errors)}
+    return {"steps": sum(counts), "seconds": elapsed, "cpu_seconds": cpu, "replicas": dict(replicas),
+            "errors": dict(errors)}
 
 
 def concurrent(side: str, target: str, processes: int, threads: int, seconds: float) -> dict:
@@ -235,7 +236,10 @@ def concurrent(side: str, target: str, processes: int, threads: int, seconds: fl
     errors = collections.Counter()
     for o in outs:
         errors.update(o["errors"])
+    # The client side's CPU a step (the rollout processes' own, threads and gRPC's included): where
+    # the two cores are shared with the server, what the clients spend the server cannot.
     return {"steps_per_s": round(steps / statistics.mean(o["seconds"] for o in outs)),
+            "client_cpu_ms_per_step": round(1e3 * sum(o["cpu_seconds"] for o in outs) / max(steps, 1), 3),
             "replicas": dict(replicas), "errors": dict(errors)}
 
 
@@ -270,10 +274,13 @@ def run(args) -> dict:
         oe = OpenEnvServer(sys.executable, args.processes * args.threads, Path(tmp) / "openenv.log")
         try:
             for name, extra, workers in (("inline", ["--inline"], 1), ("workers", [], args.workers)):
+                if args.concurrent_only and name == "inline":
+                    continue
                 with ServerProcess([ENV_ID], workers=workers, metrics=False, extra=extra, env_vars=env_vars) as es:
                     targets = {"openenv": oe.url, "envserve": es.address}
-                    print(f"serial against envserve {name}...", file=sys.stderr, flush=True)
-                    out[f"serial_{name}"] = serial(targets, args.rounds, args.calls, list(SERIAL_SIDES))
+                    if not args.concurrent_only:
+                        print(f"serial against envserve {name}...", file=sys.stderr, flush=True)
+                        out[f"serial_{name}"] = serial(targets, args.rounds, args.calls, list(SERIAL_SIDES))
                     if not args.serial_only and (name == "workers" or args.concurrent_inline):
                         res = {}
                         for r in range(args.rounds):
@@ -285,11 +292,12 @@ def run(args) -> dict:
                         out[f"concurrent_{name}"] = {
                             side: {"steps_per_s": statistics.median(x["steps_per_s"] for x in runs),
                                    "by_round": [x["steps_per_s"] for x in runs],
+                                   "client_cpu_ms_per_step": statistics.median(x["client_cpu_ms_per_step"] for x in runs),
                                    "errors": sum((collections.Counter(x["errors"]) for x in runs), collections.Counter())}
                             for side, runs in res.items()}
         finally:
             oe.kill()
-        if not args.serial_only:
+        if not args.serial_only and not args.concurrent_only:
             out["replicas"] = replicas(args, env_vars)
     if args.endpoint:
         print("OpenEnv endpoint (bench/openenv_endpoint.py)...", file=sys.stderr, flush=True)
@@ -301,7 +309,9 @@ def run(args) -> dict:
 
     ratios = {}
     for name in ("inline", "workers"):
-        s = out[f"serial_{name}"]
+        s = out.get(f"serial_{name}")
+        if not s:
+            continue
         for side in SERIAL_SIDES[1:]:
             ratios[f"serial_{name}_{side}_p50_over_openenv"] = round(s[side]["p50_ms"] / s["openenv_sync"]["p50_ms"], 3)
             # Paired by round (the sides of a round run back to back): steadier where other load comes and goes.
@@ -329,6 +339,8 @@ def main() -> int:
     ap.add_argument("--endpoint", action="store_true", help="also bench/openenv_endpoint.py's 64-socket run")
     ap.add_argument("--serial-only", action="store_true", help="only the serial measurements")
     ap.add_argument("--replicas-only", action="store_true", help="only the 3-replica spread, once a round")
+    ap.add_argument("--concurrent-only", action="store_true",
+                    help="only the 64 concurrent rollouts against worker replicas, each side once a round")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--drive", help=argparse.SUPPRESS)
     ap.add_argument("--target", help=argparse.SUPPRESS)
