@@ -489,4 +489,52 @@ def test_steps_handed_over_from_many_threads_each_reach_their_own_caller():
             assert sum(handed) == threads * rounds, "every step went through the queue"
             assert len(handed) < threads * rounds, "a drain took several steps at once"
             assert stream.messages_sent < threads * rounds
-            assert c._queue == [] and not c._drain_due
+            assert c._queue == [] and not c._drain_due and c._due == {}
+
+
+def test_a_stuck_worker_holds_no_handed_over_step_of_its_replica_for_long():
+    """A step handed over while its replica owes answers waits for one of them to carry it to the
+    stream, but not for ever: with one of the replica's two workers stopped (its answers owed
+    until it runs again), the other worker's sessions still get every step answered."""
+    import signal
+    from envserve.client import StreamingClient
+    from serverproc import ServerProcess
+    move = "<answer>Left</answer>"
+    with ServerProcess(["frozenlake"], workers=2, metrics=False) as server:
+        with StreamingClient(server.address) as c:
+            sids = c.open("frozenlake", 1, {"max_turns": 1000}) + c.open("frozenlake", 1, {"max_turns": 1000})
+            c.reset(sids, [0, 1])  # the least-loaded rule puts them on different workers
+            c.step([(sids[0], move)])  # the stream is up (a lone step takes a lane)
+            c.step([(sids[0], move), (sids[1], move)])
+            (lane,) = c._lanes.values()
+            got: dict[str, list] = collections.defaultdict(list)
+
+            def step(sid):
+                got[sid] += [r.turn for r in c.step([(sid, move)])]
+            stopped = server.worker_pids()[0]
+            os.kill(stopped, signal.SIGSTOP)
+            try:
+                with lane.busy:  # every step goes the loop's way
+                    first = {sid: threading.Thread(target=step, args=(sid,)) for sid in sids}
+                    for t in first.values():
+                        t.start()
+                    live = None
+                    deadline = time.monotonic() + 60
+                    while live is None and time.monotonic() < deadline:
+                        live = next((sid for sid, t in first.items() if not t.is_alive()), None)
+                        time.sleep(0.01)
+                    assert live is not None, "neither session's step came back with one worker stopped"
+                    (stuck,) = [sid for sid in sids if sid != live]
+                    assert first[stuck].is_alive() and c._due, "the stopped worker owes its answer"
+                    for _ in range(5):  # each of these waits with the stuck step's answer owed
+                        t = threading.Thread(target=step, args=(live,))
+                        t.start()
+                        t.join(60)
+                        assert not t.is_alive(), "a step of the live worker waited for the stopped one"
+                    assert first[stuck].is_alive()
+            finally:
+                os.kill(stopped, signal.SIGCONT)
+            first[stuck].join(60)
+            before = {sids[0]: 2, sids[1]: 1}  # the steps each session took before
+            assert got[live] == [before[live] + k for k in range(1, 7)] and got[stuck] == [before[stuck] + 1]
+            assert c._queue == [] and c._due == {}

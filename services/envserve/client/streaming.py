@@ -178,18 +178,23 @@ def _close_lanes(lanes: "dict[tuple[str, str], SyncLane]") -> None:
 
 
 _FULL_PATH = object()  # _step_handed_over: take step()'s whole path
+# How long a step handed over while its replica's answers are due waits for one of them to carry it
+# to the stream before it wakes the loop itself (a slow or stuck replica delays its steps no more).
+HANDOVER_HOLD_S = 0.002
 
 
 class _Waiter:
     """A blocking caller's one-shot result, set once on the loop (the stream's reader task) and
-    waited for by the caller's thread: a bare lock, the cheapest wake-up a thread has."""
-    __slots__ = ("_lock", "_set", "value", "error")
+    waited for by the caller's thread: a bare lock, the cheapest wake-up a thread has. Once its
+    step is on a stream, `replica` names where it went and `client` is told when it is answered
+    (the hand-over's answer clock, StreamingClient._answered)."""
+    __slots__ = ("_lock", "_set", "value", "error", "taken", "client", "replica")
 
     def __init__(self):
         self._lock = threading.Lock()
         self._lock.acquire()
-        self._set = False
-        self.value = self.error = None
+        self._set = self.taken = False
+        self.value = self.error = self.client = self.replica = None
 
     def done(self) -> bool:
         return self._set
@@ -198,11 +203,15 @@ class _Waiter:
         if not self._set:
             self._set, self.value = True, value
             self._lock.release()
+            if self.client is not None:
+                self.client._answered(self.replica)
 
     def set_exception(self, error: BaseException) -> None:
         if not self._set:
             self._set, self.error = True, error
             self._lock.release()
+            if self.client is not None:
+                self.client._answered(self.replica)
 
     def wait(self, timeout: float | None) -> bool:
         return self._lock.acquire(timeout=-1 if timeout is None else timeout)
@@ -236,10 +245,12 @@ class StreamingClient:
         self._lanes: dict[tuple[str, str], SyncLane] = {}
         weakref.finalize(self, _close_lanes, self._lanes)
         self._blocking_seen = -1  # how many channels the routed client had when lanes were last checked
-        # Steps handed to the loop by threads (_step_handed_over), and whether a drain is scheduled.
+        # Steps handed to the loop by threads (_step_handed_over), whether a drain is scheduled, and
+        # by replica how many handed-over steps on its stream are not answered yet.
         self._queue: list = []
         self._queue_lock = threading.Lock()
         self._drain_due = False
+        self._due: dict[str, int] = {}
         _CLIENTS.add(self)
 
     @property
@@ -255,7 +266,7 @@ class StreamingClient:
                     self._client.sessions = self._table
                     if self._pid != os.getpid():  # a forked child: a drain due in the parent is not its own
                         with self._queue_lock:
-                            self._queue, self._drain_due = [], False
+                            self._queue, self._drain_due, self._due = [], False, {}
                     self._pid = os.getpid()
                 client = self._client
         return client
@@ -348,22 +359,38 @@ class StreamingClient:
         return self._run(AsyncRoutedClient.step, pairs)
 
     def _step_handed_over(self, session_id: str, action: str) -> "pb.StepResult | object | None":
-        """The step as an item of its replica's shared stream, handed to the loop in a queue that
-        one wake-up of the loop drains (every step queued meanwhile goes in the same message) and
-        answered straight to this thread: no task, and no wake-up, per step. None when the
-        session's stream is not up (a first call, a seat): step_one's path opens it; _FULL_PATH
-        when the stream broke or the session needs recovery: step()'s path rebuilds."""
+        """The step as an item of its replica's shared stream, handed to the loop in a queue and
+        answered straight to this thread: no task per step. The queue is drained by the loop on
+        its next answer from the replica while some are due (that answer wakes the loop anyway,
+        and every step queued meanwhile goes in one message), else, or after HANDOVER_HOLD_S, by
+        one wake-up of the loop for all queued. None when the session's stream is not up (a first
+        call, a seat): step_one's path opens it; _FULL_PATH when the stream broke or the session
+        needs recovery: step()'s path rebuilds."""
         client = self._client
         if client is None or self._pid != os.getpid() or not _WATCHING[0]:
             return None
+        try:
+            replica = replica_of(self._table.current(session_id))
+        except Exception:  # noqa: BLE001 (the drain meets it again and sends the step step_one's way)
+            replica = ""
         waiter = _Waiter()
+        wait = self._one_call_wait()
         with self._in_flight():
             with self._queue_lock:
                 self._queue.append((client, session_id, action, waiter))
-                wake, self._drain_due = not self._drain_due, True
+                wake = not self._drain_due and not self._due.get(replica)
+                self._drain_due = self._drain_due or wake
             if wake:
                 self._loop.call_soon_threadsafe(self._drain)
-            if not waiter.wait(self._one_call_wait()):
+            elif not waiter.wait(HANDOVER_HOLD_S):
+                with self._queue_lock:  # no answer carried it yet: wake the loop, unless a wake-up is due
+                    wake = not waiter.taken and not self._drain_due
+                    self._drain_due = self._drain_due or wake
+                if wake:
+                    self._loop.call_soon_threadsafe(self._drain)
+                if wait is not None:
+                    wait = max(0.0, wait - HANDOVER_HOLD_S)
+            if not waiter.done() and not waiter.wait(wait):
                 # The result, when it comes, goes nowhere; the stream stays usable.
                 raise make_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self._one_call_wait():g} s")
         if waiter.error is not None:
@@ -377,11 +404,28 @@ class StreamingClient:
             return _FULL_PATH
         return self._table.answer(session_id, result, action)
 
+    def _answered(self, replica: str) -> None:
+        """On the loop, as a handed-over step's answer (or its stream's end) reaches its waiter:
+        one fewer due from `replica`; steps queued meanwhile go on the loop's next turn, after the
+        rest of this answer's results."""
+        with self._queue_lock:
+            left = self._due.get(replica, 0) - 1
+            if left > 0:
+                self._due[replica] = left
+            else:
+                self._due.pop(replica, None)
+            drain = bool(self._queue) and not self._drain_due
+            self._drain_due = self._drain_due or drain
+        if drain:
+            self._loop.call_soon(self._drain)
+
     def _drain(self) -> None:
         """On the loop: every handed-over step onto its replica's stream, one send per stream."""
         with self._queue_lock:
             queued, self._queue = self._queue, []
             self._drain_due = False
+            for entry in queued:
+                entry[3].taken = True
         by_stream: dict = {}
         for client, session_id, action, waiter in queued:
             try:
@@ -393,7 +437,12 @@ class StreamingClient:
             if s is None or seats.is_seat(real):
                 waiter.set_result(None)  # step_one's path: it opens the stream, or answers the seat
             else:
+                waiter.client, waiter.replica = self, replica_of(real)
                 by_stream.setdefault(s, []).append((pb.StepItem(session_id=real, action=action), waiter))
+        with self._queue_lock:
+            for pairs in by_stream.values():
+                for _, waiter in pairs:
+                    self._due[waiter.replica] = self._due.get(waiter.replica, 0) + 1
         for s, pairs in by_stream.items():
             try:
                 s.send_to_waiters(pairs)
