@@ -209,9 +209,11 @@ def drive(side: str, target: str, threads: int, seconds: float, warmup: float) -
     time.sleep(warmup)
     phase["record"] = True
     t0, cpu0 = time.perf_counter(), time.process_time()
+    print("recording", flush=True)  # the parent reads the server's CPU between these two lines
     time.sleep(seconds)
     phase["record"] = False
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    print("recorded", flush=True)
     phase["stop"] = True
     for t in ts:
         t.join(30)
@@ -221,10 +223,32 @@ def drive(side: str, target: str, threads: int, seconds: float, warmup: float) -
             "errors": dict(errors)}
 
 
-def concurrent(side: str, target: str, processes: int, threads: int, seconds: float) -> dict:
+def concurrent(side: str, target: str, processes: int, threads: int, seconds: float,
+               server_pids: "list[int]") -> dict:
+    import psutil
     cmd = [sys.executable, __file__, "--drive", side, "--target", target, "--threads", str(threads),
            "--seconds", str(seconds)]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(processes)]
+    servers = [psutil.Process(pid) for pid in server_pids]
+
+    def server_cpu() -> float:  # the servers' processes and their children (workers, forkserver)
+        total = 0.0
+        for p in [*servers, *(c for s in servers for c in s.children(recursive=True))]:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+    # The server's CPU while every process records (from the last to start until the first to stop).
+    marks = []
+    for p in procs:
+        marks.append(p.stdout.readline().strip())
+    cpu0, t0 = server_cpu(), time.perf_counter()
+    marks.append(procs[0].stdout.readline().strip())
+    cpu1, t1 = server_cpu(), time.perf_counter()
+    if marks != ["recording"] * processes + ["recorded"]:
+        raise RuntimeError(f"a rollout process failed ({side}): {marks}")
     outs = []
     for p in procs:
         out, _ = p.communicate(timeout=seconds + 300)
@@ -236,10 +260,13 @@ def concurrent(side: str, target: str, processes: int, threads: int, seconds: fl
     errors = collections.Counter()
     for o in outs:
         errors.update(o["errors"])
-    # The client side's CPU a step (the rollout processes' own, threads and gRPC's included): where
-    # the two cores are shared with the server, what the clients spend the server cannot.
-    return {"steps_per_s": round(steps / statistics.mean(o["seconds"] for o in outs)),
+    steps_per_s = steps / statistics.mean(o["seconds"] for o in outs)
+    # The CPU a step on each side (the rollout processes' own, threads and gRPC's included; the
+    # server's, its workers' included): where the two cores are shared, what one side spends the
+    # other cannot.
+    return {"steps_per_s": round(steps_per_s),
             "client_cpu_ms_per_step": round(1e3 * sum(o["cpu_seconds"] for o in outs) / max(steps, 1), 3),
+            "server_cpu_ms_per_step": round(1e3 * (cpu1 - cpu0) / max(t1 - t0, 1e-9) / max(steps_per_s, 1), 3),
             "replicas": dict(replicas), "errors": dict(errors)}
 
 
@@ -251,7 +278,8 @@ def replicas(args, env_vars: dict) -> dict:
         cluster = Cluster(redis.url, [ENV_ID], ["rep-0", "rep-1", "rep-2"], workers=1, env_vars=env_vars)
         try:
             print("concurrent trl over 3 replicas...", file=sys.stderr, flush=True)
-            res = concurrent("trl", redis.url, args.processes, args.threads, args.seconds)
+            res = concurrent("trl", redis.url, args.processes, args.threads, args.seconds,
+                             [rep.proc.pid for rep in cluster.replicas.values()])
             counts = [res["replicas"].get(rid, 0) for rid in ("rep-0", "rep-1", "rep-2")]
             return {**res, "sessions_by_replica": counts, "most_over_least": round(max(counts) / max(1, min(counts)), 3)}
         finally:
@@ -287,12 +315,14 @@ def run(args) -> dict:
                             for side in CONCURRENT_SIDES[r % 3:] + CONCURRENT_SIDES[:r % 3]:
                                 target = targets["openenv" if side.startswith("openenv") else "envserve"]
                                 print(f"concurrent {side} round {r + 1}...", file=sys.stderr, flush=True)
+                                pids = [oe.proc.pid if side.startswith("openenv") else es.proc.pid]
                                 res.setdefault(side, []).append(
-                                    concurrent(side, target, args.processes, args.threads, args.seconds))
+                                    concurrent(side, target, args.processes, args.threads, args.seconds, pids))
                         out[f"concurrent_{name}"] = {
                             side: {"steps_per_s": statistics.median(x["steps_per_s"] for x in runs),
                                    "by_round": [x["steps_per_s"] for x in runs],
                                    "client_cpu_ms_per_step": statistics.median(x["client_cpu_ms_per_step"] for x in runs),
+                                   "server_cpu_ms_per_step": statistics.median(x["server_cpu_ms_per_step"] for x in runs),
                                    "errors": sum((collections.Counter(x["errors"]) for x in runs), collections.Counter())}
                             for side, runs in res.items()}
         finally:
