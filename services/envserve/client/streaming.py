@@ -417,7 +417,11 @@ class StreamingClient:
             drain = bool(self._queue) and not self._drain_due
             self._drain_due = self._drain_due or drain
         if drain:
-            self._loop.call_soon(self._drain)
+            try:
+                asyncio.get_running_loop().call_soon(self._drain)
+            except RuntimeError:  # no loop runs it (a stream ended as its loop shut down): a thread wakes one
+                with self._queue_lock:
+                    self._drain_due = False
 
     def _drain(self) -> None:
         """On the loop: every handed-over step onto its replica's stream, one send per stream."""
