@@ -17,6 +17,9 @@ def _server_args(p: argparse.ArgumentParser, default_port: int) -> None:
                    default=os.environ.get("ENVSERVE_INLINE", "").lower() in ("1", "true", "yes"),
                    help="step sessions in the front process, no workers (microsecond envs: the grid games) "
                         "[$ENVSERVE_INLINE=1]")
+    p.add_argument("--lone-reply-wait-us", type=float, default=float(os.environ.get("ENVSERVE_LONE_REPLY_WAIT_US", "300")),
+                   help="a step that is the replica's only request out polls for its worker's reply this many "
+                        "microseconds before the front sleeps (0: never) [$ENVSERVE_LONE_REPLY_WAIT_US]")
     p.add_argument("--max-sessions", type=int, default=10_000)
     p.add_argument("--lease-seconds", type=float, default=300.0)
     p.add_argument("--metrics-port", type=int, default=-1, help="Prometheus port (-1: off, 0: any free port)")
@@ -57,7 +60,7 @@ def _config(args, env_ids):
     from envserve.rpc.auth import read_tokens
     from envserve.server.config import ServerConfig
     return ServerConfig(env_ids=list(env_ids), host=args.host, port=args.port, workers=args.workers,
-                        inline=args.inline,
+                        inline=args.inline, lone_reply_wait_seconds=args.lone_reply_wait_us / 1e6,
                         max_sessions=args.max_sessions, lease_seconds=args.lease_seconds,
                         metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                         drain_timeout_seconds=args.drain_timeout, migrate_on_drain=args.migrate_on_drain,

@@ -1,7 +1,9 @@
 """Worker processes as seen from the asyncio front.
 
 Each worker has a request pipe written without blocking and a reply pipe read on the event
-loop (add_reader). When a
+loop (add_reader). A step that is the only request out waits for its reply by polling the pipe
+for a fraction of a millisecond (WorkerPool.lone_reply_wait_s) instead of sleeping in the loop:
+a serial caller then pays no wake-up of the front for the reply. When a
 worker dies, its pending requests fail with WorkerLost, its sessions are reported lost, and
 a new worker takes its slot.
 """
@@ -13,12 +15,18 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import select
 import struct
+import time
 from typing import Callable
 
 from .worker import Worker, worker_main
 
 log = logging.getLogger("envserve.pool")
+
+
+# After a lone reply outlasts the wait, this many lone replies go to the loop before polling again.
+LONE_WAIT_BACKOFF = 32
 
 
 class WorkerLost(Exception):
@@ -42,6 +50,8 @@ class WorkerHandle:
         req_r.close()
         rep_w.close()
         self.conn = rep_r  # replies, read on the event loop
+        self.reply_poller = select.poll()
+        self.reply_poller.register(rep_r.fileno(), select.POLLIN)
         self._req = req_w
         self._wfd = req_w.fileno()
         os.set_blocking(self._wfd, False)
@@ -134,7 +144,7 @@ class WorkerPool:
     """`size` worker processes, or with `inline` one InlineWorker in this process."""
 
     def __init__(self, size: int, preload: list[str], on_death: Callable[[WorkerHandle], None],
-                 inline: bool = False):
+                 inline: bool = False, lone_reply_wait_s: float = 0.0):
         # forkserver: workers start from a clean process, not a fork of the gRPC front
         # (forking a process with gRPC threads or a GL context can hang).
         try:
@@ -151,6 +161,9 @@ class WorkerPool:
         self.restarts = 0
         self.closing = False
         self.inline = inline
+        self.lone_reply_wait_s = lone_reply_wait_s
+        # Lone replies still to come before polling is tried again after one outlasted the wait.
+        self._lone_wait_skips = 0
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -249,6 +262,31 @@ class WorkerPool:
         request_id = next(self._ids)
         h.pending[request_id] = (on_item, [len(items)])
         h.send((request_id, "stream", items))
+
+    def await_lone_reply(self) -> None:
+        """Called once a caller has written its steps' requests: poll the reply pipe for up to
+        lone_reply_wait_s when one request is the only one out, and take the reply here if it
+        comes (its future set, its callback run, as the loop would). The loop sleeping in epoll
+        would pay a wake-up for it (tens of microseconds, as much as the worker's step); with
+        other requests out the loop has work anyway. Holds the loop no longer than the wait; between polls it yields the CPU,
+        so a worker sharing this core runs. A wait that outlasts its reply (a slow env, a busy
+        machine) turns polling off for the next LONE_WAIT_BACKOFF lone replies."""
+        if self.lone_reply_wait_s <= 0 or self.inline:
+            return
+        out = [w for w in self.workers if w.pending]
+        if len(out) != 1 or len(out[0].pending) != 1 or not out[0].alive or out[0]._wbuf:
+            return
+        if self._lone_wait_skips:
+            self._lone_wait_skips -= 1
+            return
+        h = out[0]
+        poll, deadline = h.reply_poller.poll, time.perf_counter() + self.lone_reply_wait_s
+        while not poll(0):
+            if time.perf_counter() > deadline:
+                self._lone_wait_skips = LONE_WAIT_BACKOFF
+                return
+            os.sched_yield()
+        self._on_readable(h)
 
     def check_processes(self) -> None:
         """Catch a death the pipe has not reported yet."""

@@ -62,7 +62,8 @@ class Replica:
         # answer UNAVAILABLE (a step now would be lost in the copy); after, NOT_FOUND naming the new id.
         self.moved: dict[str, str] = {}
         self.moving = False
-        self.pool = WorkerPool(config.resolved_workers(), self.env_ids, self._on_worker_death, inline=config.inline)
+        self.pool = WorkerPool(config.resolved_workers(), self.env_ids, self._on_worker_death, inline=config.inline,
+                                lone_reply_wait_s=config.lone_reply_wait_seconds)
         self.draining = False
         self.in_flight = 0
         self._idle = asyncio.Event()
@@ -368,6 +369,7 @@ class Replica:
             return out
         results, groups = self.route(items, owner)
         calls = [self.pool.call(w, "batch", group_items) for w, _, group_items, _ in groups.values()]
+        self.pool.await_lone_reply()
         replies = await asyncio.gather(*calls, return_exceptions=True)
         observe = self.metrics.observe_step
         for (w, indices, group_items, env_ids), reply in zip(groups.values(), replies):
@@ -485,6 +487,7 @@ class EnvService(pb_grpc.EnvServiceServicer):
                         emit(tags[index], data)
 
                 r.pool.stream(w, [e[1] for e in entries], on_item)
+            r.pool.await_lone_reply()
 
         def seat_answered(turn: asyncio.Task, tag: int, sid: str) -> None:
             seated.discard(turn)

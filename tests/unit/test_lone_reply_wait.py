@@ -1,0 +1,125 @@
+"""A step that is the replica's only request out: the front polls the worker's reply pipe for it
+instead of sleeping in its event loop (WorkerPool.await_lone_reply). Driven through a real
+WorkerPool with real worker processes, as the replica drives it."""
+import asyncio
+import os
+import signal
+
+from envserve.server import pool as pool_module
+from envserve.server.pool import LONE_WAIT_BACKOFF, WorkerPool
+from envserve.v1 import envserve_pb2 as pb
+
+
+def drive(workers, wait_s, body):
+    """Runs `await body(pool)` on a pool of `workers` sokoban worker processes whose lone replies
+    are awaited for up to wait_s, with two sessions open on each worker, then closes it."""
+    async def main():
+        pool = WorkerPool(workers, ["sokoban"], lambda h: None, lone_reply_wait_s=wait_s)
+        await pool.start()
+        try:
+            for w in pool.workers:
+                ids = [f"r/{w.slot}a", f"r/{w.slot}b"]
+                assert (await pool.call(w, "open", ("sokoban", {}, "no_think", ids)))[0] == "ok"
+                await pool.call(w, "batch", [("reset", sid, 3, "", "", False) for sid in ids])
+            await body(pool)
+        finally:
+            await pool.close()
+    asyncio.run(main())
+
+
+def step_stream(pool, w, sids, got):
+    pool.stream(w, [("step", sid, "<answer>Left</answer>") for sid in sids], got.append)
+
+
+def turns(got):
+    return sorted((r.session_id, r.turn) for reply in got for _, data, _ in reply
+                  for r in [pb.StepResult.FromString(data)])
+
+
+def test_a_lone_step_is_answered_before_the_loop_runs_again():
+    async def body(pool):
+        (w,) = pool.workers
+        got = []
+        step_stream(pool, w, ["r/0a"], got)
+        pool.await_lone_reply()
+        # No await since the request was written: the reply was read here, not by the loop.
+        assert turns(got) == [("r/0a", 1)]
+        assert w.pending == {}
+        # A batch (the unary Step's path) is answered the same way: its future is already done.
+        fut = pool.call(w, "batch", [("step", "r/0b", "<answer>Left</answer>")])
+        pool.await_lone_reply()
+        assert fut.done() and len(fut.result()) == 1
+    drive(1, 5.0, body)
+
+
+def test_without_the_wait_the_reply_comes_through_the_loop():
+    async def body(pool):
+        (w,) = pool.workers
+        got = []
+        step_stream(pool, w, ["r/0a"], got)
+        pool.await_lone_reply()
+        assert got == [] and len(w.pending) == 1
+        while w.pending:
+            await asyncio.sleep(0.001)
+        assert turns(got) == [("r/0a", 1)]
+    drive(1, 0.0, body)
+
+
+def test_no_wait_while_more_than_one_request_is_out():
+    async def body(pool):
+        a, b = pool.workers
+        got = []
+        step_stream(pool, a, ["r/0a"], got)
+        step_stream(pool, b, ["r/1a"], got)
+        pool.await_lone_reply()
+        # Two workers are stepping: the loop takes both replies, whichever comes first.
+        assert got == []
+        while a.pending or b.pending:
+            await asyncio.sleep(0.001)
+        assert turns(got) == [("r/0a", 1), ("r/1a", 1)]
+    drive(2, 5.0, body)
+
+
+def test_a_reply_that_outlasts_the_wait_comes_through_the_loop_and_waiting_backs_off():
+    async def body(pool):
+        (w,) = pool.workers
+        got = []
+        os.kill(w.pid, signal.SIGSTOP)
+        try:
+            step_stream(pool, w, ["r/0a"], got)
+            # Returns with the stopped worker's reply still out: the loop is held for the wait,
+            # not until the worker answers.
+            pool.await_lone_reply()
+            assert got == [] and len(w.pending) == 1
+            assert pool._lone_wait_skips == LONE_WAIT_BACKOFF
+        finally:
+            os.kill(w.pid, signal.SIGCONT)
+        while w.pending:
+            await asyncio.sleep(0.001)
+        assert turns(got) == [("r/0a", 1)]
+        # The next lone replies go to the loop without polling, then polling resumes.
+        for k in range(LONE_WAIT_BACKOFF):
+            step_stream(pool, w, ["r/0b"], got)
+            pool.await_lone_reply()
+            assert len(w.pending) == 1, k
+            while w.pending:
+                await asyncio.sleep(0.001)
+        step_stream(pool, w, ["r/0b"], got)
+        pool.await_lone_reply()
+        assert w.pending == {}
+        assert len(turns(got)) == 1 + LONE_WAIT_BACKOFF + 1
+    drive(1, 0.05, body)
+
+
+def test_a_worker_dying_during_the_wait_fails_its_request_as_lost():
+    async def body(pool):
+        (w,) = pool.workers
+        got = []
+        os.kill(w.pid, signal.SIGKILL)
+        w.process.join(10)
+        step_stream(pool, w, ["r/0a"], got)
+        pool.await_lone_reply()
+        # The pipe's hang-up ends the wait at once, and the request fails as the loop would fail it.
+        assert len(got) == 1 and isinstance(got[0], pool_module.WorkerLost)
+        assert not w.alive
+    drive(1, 5.0, body)
