@@ -1,12 +1,12 @@
-"""A step that is the replica's only request out: the front polls the worker's reply pipe for it
-instead of sleeping in its event loop (WorkerPool.await_lone_reply). Driven through a real
+"""Steps of a caller stepping alone, each the replica's only request out: the front polls the
+worker's reply pipe for them instead of sleeping in its event loop (WorkerPool.await_lone_reply). Driven through a real
 WorkerPool with real worker processes, as the replica drives it."""
 import asyncio
 import os
 import signal
 
 from envserve.server import pool as pool_module
-from envserve.server.pool import LONE_WAIT_BACKOFF, WorkerPool
+from envserve.server.pool import LONE_STREAK, LONE_WAIT_BACKOFF, WorkerPool
 from envserve.v1 import envserve_pb2 as pb
 
 
@@ -20,15 +20,38 @@ def drive(workers, wait_s, body):
             for w in pool.workers:
                 ids = [f"r/{w.slot}a", f"r/{w.slot}b"]
                 assert (await pool.call(w, "open", ("sokoban", {}, "no_think", ids)))[0] == "ok"
-                await pool.call(w, "batch", [("reset", sid, 3, "", "", False) for sid in ids])
+            # Resets sent at once, one request a session: no step is alone yet.
+            await asyncio.gather(*[pool.call(w, "batch", [("reset", f"r/{w.slot}{x}", 3, "", "", False)])
+                                   for w in pool.workers for x in "ab"])
             await body(pool)
         finally:
             await pool.close()
     asyncio.run(main())
 
 
+async def one_turn():
+    """Lets the loop turn once. The pool's check for a lone step, scheduled when the step was
+    sent, runs first on that turn; the loop reads the worker's replies only after this returns."""
+    await asyncio.sleep(0)
+
+
 def step_stream(pool, w, sids, got):
     pool.stream(w, [("step", sid, "<answer>Left</answer>") for sid in sids], got.append)
+
+
+async def through_the_loop(pool, w, sid, got):
+    """One lone step that is not polled for: its reply comes through the loop."""
+    step_stream(pool, w, [sid], got)
+    await one_turn()
+    assert len(w.pending) == 1
+    while w.pending:
+        await asyncio.sleep(0.001)
+
+
+async def settle_into_serial(pool, w, got):
+    """The LONE_STREAK steps a serial caller makes before its replies are polled for."""
+    for _ in range(LONE_STREAK):
+        await through_the_loop(pool, w, "r/0b", got)
 
 
 def turns(got):
@@ -36,18 +59,20 @@ def turns(got):
                   for r in [pb.StepResult.FromString(data)])
 
 
-def test_a_lone_step_is_answered_before_the_loop_runs_again():
+def test_a_serial_callers_step_is_answered_before_the_loop_runs_again():
     async def body(pool):
         (w,) = pool.workers
         got = []
+        await settle_into_serial(pool, w, got)
+        got.clear()
         step_stream(pool, w, ["r/0a"], got)
-        pool.await_lone_reply()
-        # No await since the request was written: the reply was read here, not by the loop.
+        await one_turn()
+        # Read by the pool's check on the loop's next turn, before the loop's own reader ran.
         assert turns(got) == [("r/0a", 1)]
         assert w.pending == {}
         # A batch (the unary Step's path) is answered the same way: its future is already done.
         fut = pool.call(w, "batch", [("step", "r/0b", "<answer>Left</answer>")])
-        pool.await_lone_reply()
+        await one_turn()
         assert fut.done() and len(fut.result()) == 1
     drive(1, 5.0, body)
 
@@ -57,7 +82,7 @@ def test_without_the_wait_the_reply_comes_through_the_loop():
         (w,) = pool.workers
         got = []
         step_stream(pool, w, ["r/0a"], got)
-        pool.await_lone_reply()
+        await one_turn()
         assert got == [] and len(w.pending) == 1
         while w.pending:
             await asyncio.sleep(0.001)
@@ -65,18 +90,25 @@ def test_without_the_wait_the_reply_comes_through_the_loop():
     drive(1, 0.0, body)
 
 
-def test_no_wait_while_more_than_one_request_is_out():
+def test_no_wait_while_more_than_one_request_is_out_and_the_streak_starts_again():
     async def body(pool):
         a, b = pool.workers
         got = []
+        await settle_into_serial(pool, a, got)
+        got.clear()
         step_stream(pool, a, ["r/0a"], got)
         step_stream(pool, b, ["r/1a"], got)
-        pool.await_lone_reply()
+        await one_turn()
         # Two workers are stepping: the loop takes both replies, whichever comes first.
         assert got == []
         while a.pending or b.pending:
             await asyncio.sleep(0.001)
         assert turns(got) == [("r/0a", 1), ("r/1a", 1)]
+        # Callers overlapped: lone steps go through the loop until a streak builds again.
+        await settle_into_serial(pool, a, got)
+        step_stream(pool, a, ["r/0a"], got)
+        await one_turn()
+        assert a.pending == {}
     drive(2, 5.0, body)
 
 
@@ -84,12 +116,14 @@ def test_a_reply_that_outlasts_the_wait_comes_through_the_loop_and_waiting_backs
     async def body(pool):
         (w,) = pool.workers
         got = []
+        await settle_into_serial(pool, w, got)
+        got.clear()
         os.kill(w.pid, signal.SIGSTOP)
         try:
             step_stream(pool, w, ["r/0a"], got)
             # Returns with the stopped worker's reply still out: the loop is held for the wait,
             # not until the worker answers.
-            pool.await_lone_reply()
+            await one_turn()
             assert got == [] and len(w.pending) == 1
             assert pool._lone_wait_skips == LONE_WAIT_BACKOFF
         finally:
@@ -98,27 +132,25 @@ def test_a_reply_that_outlasts_the_wait_comes_through_the_loop_and_waiting_backs
             await asyncio.sleep(0.001)
         assert turns(got) == [("r/0a", 1)]
         # The next lone replies go to the loop without polling, then polling resumes.
-        for k in range(LONE_WAIT_BACKOFF):
-            step_stream(pool, w, ["r/0b"], got)
-            pool.await_lone_reply()
-            assert len(w.pending) == 1, k
-            while w.pending:
-                await asyncio.sleep(0.001)
+        for _ in range(LONE_WAIT_BACKOFF):
+            await through_the_loop(pool, w, "r/0b", got)
         step_stream(pool, w, ["r/0b"], got)
-        pool.await_lone_reply()
+        await one_turn()
         assert w.pending == {}
         assert len(turns(got)) == 1 + LONE_WAIT_BACKOFF + 1
-    drive(1, 0.05, body)
+    drive(1, 2.0, body)
 
 
 def test_a_worker_dying_during_the_wait_fails_its_request_as_lost():
     async def body(pool):
         (w,) = pool.workers
         got = []
+        await settle_into_serial(pool, w, got)
+        got.clear()
         os.kill(w.pid, signal.SIGKILL)
         w.process.join(10)
         step_stream(pool, w, ["r/0a"], got)
-        pool.await_lone_reply()
+        await one_turn()
         # The pipe's hang-up ends the wait at once, and the request fails as the loop would fail it.
         assert len(got) == 1 and isinstance(got[0], pool_module.WorkerLost)
         assert not w.alive

@@ -139,7 +139,6 @@ class LocalBatcher:
             if self._busy.get(w.slot, 0) < self.in_flight or not w.alive:
                 del waiting[key]
                 self._send(w, items, futs, env_ids)
-        r.pool.await_lone_reply()
 
     def _done(self, slot: int) -> None:
         self._busy[slot] -= 1

@@ -1,9 +1,9 @@
 """Worker processes as seen from the asyncio front.
 
 Each worker has a request pipe written without blocking and a reply pipe read on the event
-loop (add_reader). A step that is the only request out waits for its reply by polling the pipe
-for a fraction of a millisecond (WorkerPool.lone_reply_wait_s) instead of sleeping in the loop:
-a serial caller then pays no wake-up of the front for the reply. When a
+loop (add_reader). While one caller steps alone, each step the only request out, the front
+polls the pipe for its reply for a fraction of a millisecond (WorkerPool.lone_reply_wait_s)
+instead of sleeping in the loop: a serial caller pays no wake-up of the front for the reply. When a
 worker dies, its pending requests fail with WorkerLost, its sessions are reported lost, and
 a new worker takes its slot.
 """
@@ -27,6 +27,10 @@ log = logging.getLogger("envserve.pool")
 
 # After a lone reply outlasts the wait, this many lone replies go to the loop before polling again.
 LONE_WAIT_BACKOFF = 32
+# Polling starts after this many steps in a row went out alone: one caller stepping serially.
+# Where callers overlap, a step is alone now and then only, and the loop is better left to
+# gather the others' steps than held for its reply.
+LONE_STREAK = 8
 
 
 class WorkerLost(Exception):
@@ -164,6 +168,8 @@ class WorkerPool:
         self.lone_reply_wait_s = lone_reply_wait_s
         # Lone replies still to come before polling is tried again after one outlasted the wait.
         self._lone_wait_skips = 0
+        self._lone_streak = 0  # steps in a row sent with no other request out
+        self._lone_wait_scheduled = False
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -248,6 +254,8 @@ class WorkerPool:
         request_id = next(self._ids)
         h.pending[request_id] = (fut, None)
         h.send((request_id, op, payload))
+        if op == "batch":
+            self._schedule_lone_wait()
         return fut
 
     def stream(self, h: WorkerHandle, items: list, on_item: Callable) -> None:
@@ -262,19 +270,34 @@ class WorkerPool:
         request_id = next(self._ids)
         h.pending[request_id] = (on_item, [len(items)])
         h.send((request_id, "stream", items))
+        self._schedule_lone_wait()
+
+    def _schedule_lone_wait(self) -> None:
+        # On the loop's next turn: every caller that was ready on this one has sent its steps
+        # by then, so a step that is still alone there is one caller's.
+        if self.lone_reply_wait_s > 0 and not self._lone_wait_scheduled:
+            self._lone_wait_scheduled = True
+            self._loop.call_soon(self.await_lone_reply)
 
     def await_lone_reply(self) -> None:
-        """Called once a caller has written its steps' requests: poll the reply pipe for up to
-        lone_reply_wait_s when one request is the only one out, and take the reply here if it
-        comes (its future set, its callback run, as the loop would). The loop sleeping in epoll
-        would pay a wake-up for it (tens of microseconds, as much as the worker's step); with
-        other requests out the loop has work anyway. Holds the loop no longer than the wait; between polls it yields the CPU,
-        so a worker sharing this core runs. A wait that outlasts its reply (a slow env, a busy
-        machine) turns polling off for the next LONE_WAIT_BACKOFF lone replies."""
+        """Run on the loop's turn after steps were sent: poll the reply pipe for up to
+        lone_reply_wait_s when one request is the only one out (and the LONE_STREAK before it
+        were too), and take the reply here if it comes (its future set, its callback run, as the
+        loop would). The loop sleeping in epoll would pay a wake-up for it (tens of microseconds,
+        as much as the worker's step). Holds the loop no longer than the wait; between polls it
+        yields the CPU, so a worker sharing this core runs. A wait that outlasts its reply (a
+        slow env, a busy machine) turns polling off for the next LONE_WAIT_BACKOFF lone replies."""
+        self._lone_wait_scheduled = False
         if self.lone_reply_wait_s <= 0 or self.inline:
             return
         out = [w for w in self.workers if w.pending]
+        if not out:
+            return
         if len(out) != 1 or len(out[0].pending) != 1 or not out[0].alive or out[0]._wbuf:
+            self._lone_streak = 0
+            return
+        self._lone_streak += 1
+        if self._lone_streak <= LONE_STREAK:
             return
         if self._lone_wait_skips:
             self._lone_wait_skips -= 1

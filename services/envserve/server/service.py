@@ -369,7 +369,6 @@ class Replica:
             return out
         results, groups = self.route(items, owner)
         calls = [self.pool.call(w, "batch", group_items) for w, _, group_items, _ in groups.values()]
-        self.pool.await_lone_reply()
         replies = await asyncio.gather(*calls, return_exceptions=True)
         observe = self.metrics.observe_step
         for (w, indices, group_items, env_ids), reply in zip(groups.values(), replies):
@@ -487,7 +486,6 @@ class EnvService(pb_grpc.EnvServiceServicer):
                         emit(tags[index], data)
 
                 r.pool.stream(w, [e[1] for e in entries], on_item)
-            r.pool.await_lone_reply()
 
         def seat_answered(turn: asyncio.Task, tag: int, sid: str) -> None:
             seated.discard(turn)
