@@ -18,8 +18,8 @@ def _server_args(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="step sessions in the front process, no workers (microsecond envs: the grid games) "
                         "[$ENVSERVE_INLINE=1]")
     p.add_argument("--lone-reply-wait-us", type=float, default=float(os.environ.get("ENVSERVE_LONE_REPLY_WAIT_US", "300")),
-                   help="a step that is the replica's only request out polls for its worker's reply this many "
-                        "microseconds before the front sleeps (0: never) [$ENVSERVE_LONE_REPLY_WAIT_US]")
+                   help="while one caller steps alone, the front polls for each step's reply from its worker this "
+                        "many microseconds before it sleeps (0: never) [$ENVSERVE_LONE_REPLY_WAIT_US]")
     p.add_argument("--max-sessions", type=int, default=10_000)
     p.add_argument("--lease-seconds", type=float, default=300.0)
     p.add_argument("--metrics-port", type=int, default=-1, help="Prometheus port (-1: off, 0: any free port)")

@@ -16,8 +16,8 @@ class ServerConfig:
     # microseconds (the grid games), where the worker hop costs more than the step. A step
     # blocks the front while it runs, and an env that crashes the interpreter takes the replica.
     inline: bool = False
-    # A step that is a replica's only request out polls its worker's reply pipe this long before
-    # the front sleeps (0: never): a serial caller's reply then costs no wake-up of the front.
+    # While one caller steps alone, the front polls its worker's reply pipe this long for each
+    # step's reply before it sleeps (0: never): the reply then costs no wake-up of the front.
     lone_reply_wait_seconds: float = 0.0003
     max_sessions: int = 10_000
     max_open_per_call: int = 4096

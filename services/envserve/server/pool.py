@@ -3,9 +3,9 @@
 Each worker has a request pipe written without blocking and a reply pipe read on the event
 loop (add_reader). While one caller steps alone, each step the only request out, the front
 polls the pipe for its reply for a fraction of a millisecond (WorkerPool.lone_reply_wait_s)
-instead of sleeping in the loop: a serial caller pays no wake-up of the front for the reply. When a
-worker dies, its pending requests fail with WorkerLost, its sessions are reported lost, and
-a new worker takes its slot.
+instead of sleeping in the loop: a serial caller pays no wake-up of the front for the reply.
+When a worker dies, its pending requests fail with WorkerLost, its sessions are reported lost,
+and a new worker takes its slot.
 """
 from __future__ import annotations
 
