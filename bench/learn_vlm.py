@@ -17,9 +17,12 @@ Everything comes from the bundled config trainer/envserve_trainer/configs/learn_
 An evaluation plays the held-out maps greedily (one trial each) and sampled (K trials each at
 temperature 1): greedy_success, sampled_success, invalid_rate (greedy), and grounding_accuracy: the
 share of greedy turns whose <observation> the judge (its rule judge for FrozenLake: the F1 of the
-described relations against the true state, passing at its threshold) finds true. With --json the
-last line is the summary: those figures per stage, rl_minus_sft_greedy, the spread over RL seeds and
-the minutes.
+described relations against the true state, passing at its threshold) finds true; grounding_exact,
+the share whose every relation is right; greedy_distinct_first_answers, how many different first
+moves the held-out maps drew. blind_greedy_success is the reference a policy must beat to have read
+the picture at all: the demonstrations' most common move sequence played on every held-out map
+without looking. With --json the last line is the summary: those figures per stage,
+rl_minus_sft_greedy, the spread over RL seeds and the minutes.
 
     .venv/bin/python bench/learn_vlm.py --output-dir runs/learn-vlm --json       # make learn-vlm
     .venv/bin/python bench/learn_vlm.py --quick --json                           # a few minutes
@@ -32,6 +35,7 @@ import argparse
 import asyncio
 import json
 import logging
+import re
 import shutil
 import statistics
 import sys
@@ -43,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 CONFIG = "learn_vlm_frozenlake.yaml"
+ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 
 
 def load_config(quick: bool, path: str | None = None):
@@ -79,7 +84,14 @@ async def play(cfg, policy, conn, temperature: float, samples: int) -> tuple[dic
     # A turn without an <observation> (the answer did not parse) counts as not grounded.
     turns = [t for trial in trials for ep in trial.episodes for t in ep.turns]
     grounded = sum(1 for t in turns if t.judge_verdicts.get("grounding"))
-    return summarize(trials)["overall"], grounded / max(len(turns), 1)
+    overall = dict(summarize(trials)["overall"])
+    # The rule judge passes a description at its F1 threshold; an exact one names every relation right.
+    overall["grounding_exact"] = sum(1 for t in turns if t.judge_scores.get("grounding", 0.0) >= 1.0) / max(len(turns), 1)
+    # How many different first moves the maps drew: 1 means the policy answers the same whatever
+    # the picture shows.
+    overall["distinct_first_answers"] = len({tuple(ep.turns[0].parsed_actions) for trial in trials
+                                             for ep in trial.episodes if ep.turns})
+    return overall, grounded / max(len(turns), 1)
 
 
 def evaluate(cfg, policy, conn, samples: int) -> dict[str, Any]:
@@ -88,7 +100,46 @@ def evaluate(cfg, policy, conn, samples: int) -> dict[str, Any]:
     return {"greedy_success": greedy["success_rate"], "sampled_success": sampled["success_rate"],
             "invalid_rate": greedy["invalid_action_rate"], "format_error_rate": greedy["format_error_rate"],
             "grounding_accuracy": grounding, "sampled_grounding_accuracy": sampled_grounding,
-            "greedy_mean_turns": greedy["mean_turns"]}
+            "greedy_mean_turns": greedy["mean_turns"],
+            "grounding_exact": greedy["grounding_exact"],
+            "greedy_distinct_first_answers": greedy["distinct_first_answers"]}
+
+
+def blind_plan(demos: Path) -> list[str]:
+    """The move sequence the demonstrations take most often, whole episodes (ties: the first met)."""
+    counts: dict[tuple[str, ...], int] = {}
+    for line in demos.read_text().splitlines():
+        moves = tuple(m.strip() for turn in json.loads(line)["turns"]
+                      for m in ANSWER.search(turn["answer"]).group(1).split(",") if m.strip())
+        counts[moves] = counts.get(moves, 0) + 1
+    return list(max(counts, key=counts.get)) if counts else []
+
+
+def blind_success(client, cfg, plan: list[str]) -> float:
+    """Held-out success of playing `plan` on every map without looking: what a policy that ignores
+    the picture reaches by answering with the demonstrations' most common moves."""
+    from envserve.client.experts import plain_answer, session_settings
+    from envserve_trainer.train import eval_task_sets
+    tasks = eval_task_sets(cfg)["held_out"]
+    settings = session_settings(client.get_spec(cfg.env.env_id), cfg.env.env_config)
+    per_turn = max(1, int(settings["max_actions_per_turn"]))
+    sids = list(client.open_sessions(cfg.env.env_id, len(tasks), cfg.env.env_config, cfg.env.action_format).session_ids)
+    try:
+        wins = 0
+        for sid, task in zip(sids, tasks):
+            client.reset([sid], [task.seed], split=task.split)
+            for turn in range(cfg.rollout.max_turns):
+                chunk = plan[turn * per_turn:(turn + 1) * per_turn]
+                if not chunk:
+                    break
+                result = client.step([(sid, plain_answer(cfg.env.action_format, chunk,
+                                                         str(settings["action_separator"])))])[0]
+                if result.done or result.truncated:
+                    wins += bool(result.success)
+                    break
+        return wins / max(len(tasks), 1)
+    finally:
+        client.close_sessions(sids)
 
 
 def run(args, cfg, bench: dict[str, Any], conn, log, started: float) -> dict[str, Any]:
@@ -112,8 +163,11 @@ def run(args, cfg, bench: dict[str, Any], conn, log, started: float) -> dict[str
     with EnvClient(conn.env_address) as client:
         seeds = list(range(cfg.env.seed_start, cfg.env.seed_start + cfg.env.num_tasks))
         result["collect"] = collect(client, cfg, codec.tokenizer, demos, seeds, codec=codec)
+        plan = blind_plan(demos)
+        result["blind"] = {"plan": plan, "greedy_success": blind_success(client, cfg, plan)}
     log(f"{result['collect']['episodes']} demonstrations, expert success {result['collect']['success_rate']:.2f}, "
-        f"{demos.stat().st_size / 1e6:.1f} MB")
+        f"{demos.stat().st_size / 1e6:.1f} MB; their most common moves {plan} solve "
+        f"{result['blind']['greedy_success']:.2f} of the held-out maps played blind")
 
     if not args.skip_base:
         result["stages"]["base"] = evaluate(cfg, HFVisionPolicy(base, codec), conn, samples)
@@ -180,10 +234,13 @@ def summarize(result: dict[str, Any], minutes: float) -> dict[str, Any]:
                                "rl_seconds_per_iteration": round(statistics.mean(
                                    t for v in result.get("rl", {}).values() for t in v["iteration_seconds"]), 1)
                                if result.get("rl") else None}
+    summary["blind_greedy_success"] = result["blind"]["greedy_success"]
+    keys = ("greedy_success", "sampled_success", "invalid_rate", "grounding_accuracy", "grounding_exact",
+            "greedy_distinct_first_answers")
     for stage in [s for s in ("base", "sft") if s in st]:
-        for key in ("greedy_success", "sampled_success", "invalid_rate", "grounding_accuracy"):
+        for key in keys:
             summary[f"{stage}_{key}"] = st[stage][key]
-    for key in ("greedy_success", "sampled_success", "invalid_rate", "grounding_accuracy"):
+    for key in keys:
         summary[f"rl_{key}"] = mean(key)
     summary["rl_greedy_success_by_seed"] = greedy
     summary["rl_minus_sft_greedy"] = statistics.mean(greedy) - st["sft"]["greedy_success"] if rl else None
