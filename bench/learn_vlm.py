@@ -18,8 +18,9 @@ An evaluation plays the held-out maps greedily (one trial each) and sampled (K t
 temperature 1): greedy_success, sampled_success, invalid_rate (greedy), and grounding_accuracy: the
 share of greedy turns whose <observation> the judge (its rule judge for FrozenLake: the F1 of the
 described relations against the true state, passing at its threshold) finds true; grounding_exact,
-the share whose every relation is right; greedy_distinct_first_answers, how many different first
-moves the held-out maps drew. blind_greedy_success is the reference a policy must beat to have read
+the share whose every relation is right; hole_cells_jaccard, how well the hole cells the first
+answer's reasoning names overlap the true ones; greedy_distinct_first_answers, how many different
+first moves the held-out maps drew. blind_greedy_success is the reference a policy must beat to have read
 the picture at all: the demonstrations' most common move sequence played on every held-out map
 without looking. With --json the last line is the summary: those figures per stage,
 rl_minus_sft_greedy, the spread over RL seeds and the minutes.
@@ -48,6 +49,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 CONFIG = "learn_vlm_frozenlake.yaml"
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
+HOLES = re.compile(r"holes? (?:are|is) at ((?:\(\d+, \d+\)(?:, )?)+)")
+CELL = re.compile(r"\((\d+), (\d+)\)")
 
 
 def load_config(quick: bool, path: str | None = None):
@@ -91,17 +94,42 @@ async def play(cfg, policy, conn, temperature: float, samples: int) -> tuple[dic
     # the picture shows.
     overall["distinct_first_answers"] = len({tuple(ep.turns[0].parsed_actions) for trial in trials
                                              for ep in trial.episodes if ep.turns})
+    overall["first_reasoning"] = [(ep.task_seed, ep.turns[0].reasoning.get("reasoning", "")) for trial in trials
+                                  for ep in trial.episodes if ep.turns]
     return overall, grounded / max(len(turns), 1)
+
+
+def hole_cells_overlap(conn, cfg, first_reasoning: list[tuple[int, str]]) -> float:
+    """Mean Jaccard overlap of the hole cells each first answer's reasoning names ("the holes are at
+    (1, 2), (3, 0)", the expert's words) with the map's true holes, read from the same map served as
+    text: whether the policy locates what it sees, which the relation sentences the judge checks
+    barely test from the corner the player starts in."""
+    from envserve.client import EnvClient
+    config = {k: v for k, v in cfg.env.env_config.items() if k not in ("render_image", "image_only")}
+    total = 0.0
+    with EnvClient(conn.env_address) as client:
+        (sid,) = client.open_sessions(cfg.env.env_id, 1, config).session_ids
+        try:
+            for seed, reasoning in first_reasoning:
+                rows = client.reset([sid], [seed])[0].observation.text.strip().splitlines()
+                truth = {(r, c) for r, row in enumerate(rows) for c, cell in enumerate(row) if cell == "O"}
+                named = HOLES.search(reasoning)
+                said = {(int(r), int(c)) for r, c in CELL.findall(named.group(1))} if named else set()
+                total += len(said & truth) / len(said | truth) if said | truth else 1.0
+        finally:
+            client.close_sessions([sid])
+    return total / max(len(first_reasoning), 1)
 
 
 def evaluate(cfg, policy, conn, samples: int) -> dict[str, Any]:
     greedy, grounding = asyncio.run(play(cfg, policy, conn, 0.0, 1))
+    holes = hole_cells_overlap(conn, cfg, greedy["first_reasoning"]) if cfg.env.env_id == "frozenlake" else None
     sampled, sampled_grounding = asyncio.run(play(cfg, policy, conn, 1.0, samples))
     return {"greedy_success": greedy["success_rate"], "sampled_success": sampled["success_rate"],
             "invalid_rate": greedy["invalid_action_rate"], "format_error_rate": greedy["format_error_rate"],
             "grounding_accuracy": grounding, "sampled_grounding_accuracy": sampled_grounding,
             "greedy_mean_turns": greedy["mean_turns"],
-            "grounding_exact": greedy["grounding_exact"],
+            "grounding_exact": greedy["grounding_exact"], "hole_cells_jaccard": holes,
             "greedy_distinct_first_answers": greedy["distinct_first_answers"]}
 
 
@@ -222,7 +250,9 @@ def run(args, cfg, bench: dict[str, Any], conn, log, started: float) -> dict[str
 def summarize(result: dict[str, Any], minutes: float) -> dict[str, Any]:
     st = result["stages"]
     rl = [v for k, v in st.items() if k.startswith("rl-")]
-    mean = lambda key: statistics.mean(v[key] for v in rl) if rl else None  # noqa: E731
+    def mean(key: str):
+        values = [v[key] for v in rl if v.get(key) is not None]
+        return statistics.mean(values) if values else None
     greedy = [v["greedy_success"] for v in rl]
     summary: dict[str, Any] = {"env": result["env"], "model": result["model"], "estimator": result["estimator"],
                                "device": result["device"], "minutes": round(minutes, 1),
@@ -236,7 +266,7 @@ def summarize(result: dict[str, Any], minutes: float) -> dict[str, Any]:
                                if result.get("rl") else None}
     summary["blind_greedy_success"] = result["blind"]["greedy_success"]
     keys = ("greedy_success", "sampled_success", "invalid_rate", "grounding_accuracy", "grounding_exact",
-            "greedy_distinct_first_answers")
+            "hole_cells_jaccard", "greedy_distinct_first_answers")
     for stage in [s for s in ("base", "sft") if s in st]:
         for key in keys:
             summary[f"{stage}_{key}"] = st[stage][key]
