@@ -20,9 +20,9 @@ share of greedy turns whose <observation> the judge (its rule judge for FrozenLa
 described relations against the true state, passing at its threshold) finds true; grounding_exact,
 the share whose every relation is right; hole_cells_jaccard, how well the hole cells the first
 answer's reasoning names overlap the true ones; greedy_distinct_first_answers, how many different
-first moves the held-out maps drew. blind_greedy_success is the reference a policy must beat to have read
-the picture at all: the demonstrations' most common move sequence played on every held-out map
-without looking. With --json the last line is the summary: those figures per stage,
+first moves the held-out maps drew. blind_greedy_success is the reference a policy must beat to
+have read the picture at all: the demonstrations' most common move sequence played on every
+held-out map without looking. With --json the last line is the summary: those figures per stage,
 rl_minus_sft_greedy, the spread over RL seeds and the minutes.
 
     .venv/bin/python bench/learn_vlm.py --output-dir runs/learn-vlm --json       # make learn-vlm
@@ -89,7 +89,8 @@ async def play(cfg, policy, conn, temperature: float, samples: int) -> tuple[dic
     grounded = sum(1 for t in turns if t.judge_verdicts.get("grounding"))
     overall = dict(summarize(trials)["overall"])
     # The rule judge passes a description at its F1 threshold; an exact one names every relation right.
-    overall["grounding_exact"] = sum(1 for t in turns if t.judge_scores.get("grounding", 0.0) >= 1.0) / max(len(turns), 1)
+    exact = sum(1 for t in turns if t.judge_scores.get("grounding", 0.0) >= 1.0)
+    overall["grounding_exact"] = exact / max(len(turns), 1)
     # How many different first moves the maps drew: 1 means the policy answers the same whatever
     # the picture shows.
     overall["distinct_first_answers"] = len({tuple(ep.turns[0].parsed_actions) for trial in trials
