@@ -3,11 +3,13 @@ VAGEN's visual setting (image-only FrozenLake 4x4: the policy sees the picture a
 replica and a real judge, with a small random-weight VLM (model.random_init, model.vision).
 
 Everything comes from the bundled config trainer/envserve_trainer/configs/learn_vlm_frozenlake.yaml
-(its `bench` section holds the RL seeds, the sampled trials per map, the minutes and the --quick run):
+(its `bench` section holds the expert, the RL seeds, the sampled trials per map, the minutes and the
+--quick run):
 
-  1. collect   the expert (a planner reading GetState) plays the training maps through the gRPC API;
-               each turn keeps the picture the replica sent; its answers describe the state in
-               <observation>, predict the next one in <prediction>, and move in <answer>
+  1. collect   the expert (bench.expert, reading GetState) plays the training maps through the gRPC
+               API; each turn keeps the picture the replica sent; its answers describe the state in
+               <observation>, say why in <reasoning>, predict the next state in <prediction>, and
+               move in <answer>
   2. base      the random-weight VLM is evaluated on held-out maps
   3. sft       supervised fine-tuning on the demonstrations (the pictures in the prompts), evaluated
   4. rl        RL from the SFT checkpoint (the config's estimator, the judge's rewards when it uses
@@ -18,9 +20,11 @@ An evaluation plays the held-out maps greedily (one trial each) and sampled (K t
 temperature 1): greedy_success, sampled_success, invalid_rate (greedy), and grounding_accuracy: the
 share of greedy turns whose <observation> the judge (its rule judge for FrozenLake: the F1 of the
 described relations against the true state, passing at its threshold) finds true; grounding_exact,
-the share whose every relation is right; hole_cells_jaccard, how well the hole cells the first
-answer's reasoning names overlap the true ones; greedy_distinct_first_answers, how many different
-first moves the held-out maps drew. blind_greedy_success is the reference a policy must beat to
+the share whose every relation is right; hole_cells_jaccard, neighbours_accuracy and
+neighbour_holes_found, how well the reasoning locates what the picture shows (the hole cells the
+first answer names; the cells around the player every answer names, and the share of the holes
+among them it calls holes); greedy_distinct_first_answers, how many different first moves the
+held-out maps drew. blind_greedy_success is the reference a policy must beat to
 have read the picture at all: the demonstrations' most common move sequence played on every
 held-out map without looking. With --json the last line is the summary: those figures per stage,
 rl_minus_sft_greedy, the spread over RL seeds and the minutes.
@@ -51,6 +55,7 @@ CONFIG = "learn_vlm_frozenlake.yaml"
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 HOLES = re.compile(r"holes? (?:are|is) at ((?:\(\d+, \d+\)(?:, )?)+)")
 CELL = re.compile(r"\((\d+), (\d+)\)")
+NEIGHBOUR = re.compile(r"(below|right of|left of|above) me is (ice|a hole|the goal|the edge)", re.I)
 
 
 def load_config(quick: bool, path: str | None = None):
@@ -95,42 +100,84 @@ async def play(cfg, policy, conn, temperature: float, samples: int) -> tuple[dic
     # the picture shows.
     overall["distinct_first_answers"] = len({tuple(ep.turns[0].parsed_actions) for trial in trials
                                              for ep in trial.episodes if ep.turns})
-    overall["first_reasoning"] = [(ep.task_seed, ep.turns[0].reasoning.get("reasoning", "")) for trial in trials
-                                  for ep in trial.episodes if ep.turns]
+    overall["reasoning"] = [(ep.task_seed, [(t.reasoning.get("reasoning", ""), list(t.parsed_actions))
+                                            for t in ep.turns]) for trial in trials for ep in trial.episodes]
     return overall, grounded / max(len(turns), 1)
 
 
-def hole_cells_overlap(conn, cfg, first_reasoning: list[tuple[int, str]]) -> float:
-    """Mean Jaccard overlap of the hole cells each first answer's reasoning names ("the holes are at
-    (1, 2), (3, 0)", the expert's words) with the map's true holes, read from the same map served as
-    text: whether the policy locates what it sees, which the relation sentences the judge checks
-    barely test from the corner the player starts in."""
+def board_reading(conn, cfg, episodes: list[tuple[int, list[tuple[str, list[str]]]]]) -> dict[str, float | None]:
+    """How well the greedy answers' reasoning locates what the picture shows, checked against the
+    same maps served as text (episodes: (map seed, [(reasoning, moves made) per turn])):
+
+    hole_cells_jaccard: the mean Jaccard overlap of the hole cells the first answer names ("the holes
+      are at (1, 2), (3, 0)", the search expert's words) with the true ones;
+    neighbours_accuracy: the share of right facts among those the answers state about the cells
+      around the player ("below me is a hole", the neighbour expert's words), over every turn, the
+      player's cell followed by replaying the moves;
+    neighbour_holes_found: of the holes next to the player that an answer states a fact about, the
+      share it calls a hole (most cells are ice, so a policy that never looks scores well on the
+      accuracy and 0 here).
+
+    The relation sentences the judge checks barely test this from the corner the player starts in.
+    A figure is None when no answer states such facts."""
     from envserve.client import EnvClient
+    from envserve.client.experts import plain_answer
     config = {k: v for k, v in cfg.env.env_config.items() if k not in ("render_image", "image_only")}
-    total = 0.0
+    jaccard, named_holes, right, stated, holes_seen, holes_next = 0.0, 0, 0, 0, 0, 0
     with EnvClient(conn.env_address) as client:
-        (sid,) = client.open_sessions(cfg.env.env_id, 1, config).session_ids
+        (sid,) = client.open_sessions(cfg.env.env_id, 1, config, cfg.env.action_format).session_ids
         try:
-            for seed, reasoning in first_reasoning:
-                rows = client.reset([sid], [seed])[0].observation.text.strip().splitlines()
-                truth = {(r, c) for r, row in enumerate(rows) for c, cell in enumerate(row) if cell == "O"}
-                named = HOLES.search(reasoning)
-                said = {(int(r), int(c)) for r, c in CELL.findall(named.group(1))} if named else set()
-                total += len(said & truth) / len(said | truth) if said | truth else 1.0
+            for seed, turns in episodes:
+                text = client.reset([sid], [seed])[0].observation.text
+                rows = text.strip().splitlines()
+                truth = {(r, c) for r, row in enumerate(rows) for c, ch in enumerate(row) if ch == "O"}
+                named = HOLES.search(turns[0][0]) if turns else None
+                if named:
+                    said = {(int(r), int(c)) for r, c in CELL.findall(named.group(1))}
+                    named_holes += 1
+                    jaccard += len(said & truth) / len(said | truth) if said | truth else 1.0
+                for reasoning, moves in turns:
+                    rows = text.strip().splitlines()
+                    for where, what in NEIGHBOUR.findall(reasoning):
+                        true = neighbour(rows, where)
+                        stated += 1
+                        right += what.lower() == true
+                        holes_next += true == "a hole"
+                        holes_seen += true == "a hole" == what.lower()
+                    if not moves:
+                        break
+                    result = client.step([(sid, plain_answer(cfg.env.action_format, moves))])[0]
+                    if result.done or result.truncated:
+                        break
+                    text = result.observation.text
         finally:
             client.close_sessions([sid])
-    return total / max(len(first_reasoning), 1)
+    return {"hole_cells_jaccard": jaccard / named_holes if named_holes else None,
+            "neighbours_accuracy": right / stated if stated else None,
+            "neighbour_holes_found": holes_seen / holes_next if holes_next else None}
+
+
+def neighbour(rows: list[str], where: str) -> str:
+    """What FrozenLake's text board holds next to the player, in the neighbour expert's words."""
+    (r, c), = [(r, row.index("P")) for r, row in enumerate(rows) if "P" in row]
+    dr, dc = {"below": (1, 0), "right of": (0, 1), "left of": (0, -1), "above": (-1, 0)}[where.lower()]
+    r, c = r + dr, c + dc
+    if not (0 <= r < len(rows) and 0 <= c < len(rows[r])):
+        return "the edge"
+    return {"O": "a hole", "G": "the goal"}.get(rows[r][c], "ice")
 
 
 def evaluate(cfg, policy, conn, samples: int) -> dict[str, Any]:
     greedy, grounding = asyncio.run(play(cfg, policy, conn, 0.0, 1))
-    holes = hole_cells_overlap(conn, cfg, greedy["first_reasoning"]) if cfg.env.env_id == "frozenlake" else None
+    reading = board_reading(conn, cfg, greedy["reasoning"]) if cfg.env.env_id == "frozenlake" else {}
     sampled, sampled_grounding = asyncio.run(play(cfg, policy, conn, 1.0, samples))
     return {"greedy_success": greedy["success_rate"], "sampled_success": sampled["success_rate"],
             "invalid_rate": greedy["invalid_action_rate"], "format_error_rate": greedy["format_error_rate"],
             "grounding_accuracy": grounding, "sampled_grounding_accuracy": sampled_grounding,
             "greedy_mean_turns": greedy["mean_turns"],
-            "grounding_exact": greedy["grounding_exact"], "hole_cells_jaccard": holes,
+            "grounding_exact": greedy["grounding_exact"], "hole_cells_jaccard": reading.get("hole_cells_jaccard"),
+            "neighbours_accuracy": reading.get("neighbours_accuracy"),
+            "neighbour_holes_found": reading.get("neighbour_holes_found"),
             "greedy_distinct_first_answers": greedy["distinct_first_answers"]}
 
 
@@ -191,7 +238,8 @@ def run(args, cfg, bench: dict[str, Any], conn, log, started: float) -> dict[str
     demos = out / "demos.jsonl"
     with EnvClient(conn.env_address) as client:
         seeds = list(range(cfg.env.seed_start, cfg.env.seed_start + cfg.env.num_tasks))
-        result["collect"] = collect(client, cfg, codec.tokenizer, demos, seeds, codec=codec)
+        result["collect"] = collect(client, cfg, codec.tokenizer, demos, seeds, expert=str(bench.get("expert", "")),
+                                    codec=codec)
         plan = blind_plan(demos)
         result["blind"] = {"plan": plan, "greedy_success": blind_success(client, cfg, plan)}
     log(f"{result['collect']['episodes']} demonstrations, expert success {result['collect']['success_rate']:.2f}, "
@@ -267,7 +315,7 @@ def summarize(result: dict[str, Any], minutes: float) -> dict[str, Any]:
                                if result.get("rl") else None}
     summary["blind_greedy_success"] = result["blind"]["greedy_success"]
     keys = ("greedy_success", "sampled_success", "invalid_rate", "grounding_accuracy", "grounding_exact",
-            "hole_cells_jaccard", "greedy_distinct_first_answers")
+            "hole_cells_jaccard", "neighbours_accuracy", "neighbour_holes_found", "greedy_distinct_first_answers")
     for stage in [s for s in ("base", "sft") if s in st]:
         for key in keys:
             summary[f"{stage}_{key}"] = st[stage][key]
@@ -292,7 +340,8 @@ def main() -> int:
     ap.add_argument("--output-dir", default="runs/learn-vlm")
     ap.add_argument("--quick", action="store_true", help="the config's short run (bench.quick): a few minutes")
     ap.add_argument("--minutes", type=float, default=None, help="the whole run's budget (default: bench.minutes)")
-    ap.add_argument("--rl-seeds", type=int, nargs="+", default=None, help="default: bench.rl_seeds")
+    ap.add_argument("--rl-seeds", type=int, nargs="*", default=None,
+                    help="default: bench.rl_seeds; none at all stops after SFT")
     ap.add_argument("--config", help=f"a config of the same shape as the bundled {CONFIG} (its bench section too)")
     ap.add_argument("--skip-base", action="store_true", help="no evaluation of the random-weight model (RL settings sweeps)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda: where the weights are built and trained")

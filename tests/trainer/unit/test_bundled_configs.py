@@ -22,6 +22,9 @@ def test_the_vlm_bench_config_is_vagens_visual_setting_with_its_own_section():
     assert (cfg.env.action_format, cfg.rollout.template) == ("grounding_worldmodeling", "vagen")
     bench = yaml.safe_load(path.read_text())["bench"]
     assert len(bench["rl_seeds"]) == 2 and bench["minutes"] == 60 and bench["quick"]
+    # The demonstrations' expert is one registered for this env.
+    from envserve.client.experts import EXPERTS
+    assert EXPERTS[bench["expert"]].env_id == cfg.env.env_id
     # RL plays maps of its own: neither the demonstrated ones nor the held-out ones.
     rl = cfg.with_overrides(**bench["rl"]).env
     rl_maps = set(range(rl.seed_start, rl.seed_start + rl.num_tasks))
