@@ -17,8 +17,8 @@ from .answers import (FORMATS, answer_text, fields_answer, meta_tag, needs_obser
                       plain_answer)
 from .base import CONTINUE, EXPLORE, PLAN, REFLECT, Expert, Move, Truth, relation_text, session_settings
 from .embodied import NavigationExpert, PrimitiveSkillExpert, agent_frame_offsets, plan_turn
-from .grid import (FrozenLakeExpert, FrozenLakeNeighbourExpert, MinesweeperExpert, SokobanExpert, deduce_minesweeper, mine_probabilities,
-                   plan_frozenlake, plan_sokoban)
+from .grid import (FrozenLakeExpert, FrozenLakeNeighbourExpert, MinesweeperExpert, SokobanExpert,
+                   deduce_minesweeper, mine_probabilities, plan_frozenlake, plan_sokoban)
 from .play import ExpertEpisode, ExpertTurn, expert_for, look_ahead, play_expert
 from .shop import WebShopExpert
 from .text import AlfWorldExpert, ScienceWorldExpert
@@ -33,7 +33,8 @@ __all__ = [
     "EXPERTS", "Expert", "Move", "Truth", "ExpertEpisode", "ExpertTurn", "play_expert", "expert_for", "look_ahead",
     "answer_text", "plain_answer", "fields_answer", "meta_tag", "needs_observation", "needs_prediction", "FORMATS",
     "relation_text", "session_settings", "PLAN", "CONTINUE", "EXPLORE", "REFLECT",
-    "SokobanExpert", "FrozenLakeExpert", "FrozenLakeNeighbourExpert", "MinesweeperExpert", "AlfWorldExpert", "ScienceWorldExpert",
+    "SokobanExpert", "FrozenLakeExpert", "FrozenLakeNeighbourExpert", "MinesweeperExpert", "AlfWorldExpert",
+    "ScienceWorldExpert",
     "NavigationExpert", "PrimitiveSkillExpert", "WebShopExpert", "plan_sokoban", "plan_frozenlake", "deduce_minesweeper",
     "mine_probabilities", "plan_turn", "agent_frame_offsets",
 ]

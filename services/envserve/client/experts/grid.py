@@ -135,7 +135,7 @@ class FrozenLakeNeighbourExpert(FrozenLakeExpert):
         around = {"Down": "below me", "Right": "right of me", "Left": "left of me", "Up": "above me"}
         facts = ", ".join(f"{around[m]} is {seen(m)}" for m in NEIGHBOUR_ORDER)
         why = ("nothing around me is safe" if not safe else
-               f"the way on is {move}" if onward else f"only going back is safe")
+               f"the way on is {move}" if onward else "only going back is safe")
         self._came_from = here
         return Move([move], f"{facts[0].upper()}{facts[1:]}; {why}, so I move {move}.",
                     PLAN if truth.turn == 0 else CONTINUE)
