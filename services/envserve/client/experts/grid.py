@@ -5,6 +5,7 @@ import collections
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from .base import CONTINUE, EXPLORE, PLAN, Expert, Move, Truth, cell, cells, rc, relation_text
 
@@ -101,6 +102,7 @@ class FrozenLakeExpert(Expert):
 
 # The order a neighbour expert tries moves in: towards the goal's corner first.
 NEIGHBOUR_ORDER = ("Down", "Right", "Left", "Up")
+AROUND = {"Down": "below me", "Right": "right of me", "Left": "left of me", "Up": "above me"}
 
 
 class FrozenLakeNeighbourExpert(FrozenLakeExpert):
@@ -114,8 +116,8 @@ class FrozenLakeNeighbourExpert(FrozenLakeExpert):
         super().__init__(settings)
         self._came_from: tuple[int, int] | None = None
 
-    def act(self, truth: Truth, max_actions: int) -> Move:
-        s = truth.state
+    def _around(self, s: Mapping[str, Any]):
+        """(where each move leads, what lies there) for the state `s`."""
         rows, cols = (int(v) for v in s.get("dim") or (s["size"], s["size"]))
         holes, goal, here = set(cells(s["holes"])), cell(s["goal"]), cell(s["player"])
 
@@ -128,16 +130,25 @@ class FrozenLakeNeighbourExpert(FrozenLakeExpert):
             if not (0 <= r < rows and 0 <= c < cols):
                 return "the edge"
             return "a hole" if (r, c) in holes else "the goal" if (r, c) == goal else "ice"
+        return target, seen
 
+    def surroundings(self, state: Mapping[str, Any]) -> str:
+        """What the expert's answers say first: the four cells around the player, e.g. "Below me is
+        a hole, right of me is ice, left of me is the edge, above me is the edge" (also the caption a
+        vision tower learns to read before SFT: envserve_trainer.perception)."""
+        _, seen = self._around(state)
+        facts = ", ".join(f"{AROUND[m]} is {seen(m)}" for m in NEIGHBOUR_ORDER)
+        return f"{facts[0].upper()}{facts[1:]}"
+
+    def act(self, truth: Truth, max_actions: int) -> Move:
+        target, seen = self._around(truth.state)
         safe = [m for m in NEIGHBOUR_ORDER if seen(m) in ("ice", "the goal")]
         onward = [m for m in safe if target(m) != self._came_from]
         move = (onward or safe or ["Up"])[0]
-        around = {"Down": "below me", "Right": "right of me", "Left": "left of me", "Up": "above me"}
-        facts = ", ".join(f"{around[m]} is {seen(m)}" for m in NEIGHBOUR_ORDER)
         why = ("nothing around me is safe" if not safe else
                f"the way on is {move}" if onward else "only going back is safe")
-        self._came_from = here
-        return Move([move], f"{facts[0].upper()}{facts[1:]}; {why}, so I move {move}.",
+        self._came_from = cell(truth.state["player"])
+        return Move([move], f"{self.surroundings(truth.state)}; {why}, so I move {move}.",
                     PLAN if truth.turn == 0 else CONTINUE)
 
 
