@@ -8,6 +8,7 @@ through envserve's gRPC API.
     envserve-train train --config FILE (--env-address HOST:PORT | --directory redis://...) [--output-dir DIR]
                          [--judge-address HOST:PORT] [--iterations N] [--resume] [--device cpu|cuda]
     envserve-train eval  --config FILE [--checkpoint DIR] (--env-address ... | --directory ...) [--json OUT]
+    envserve-train perceive --config FILE (--env-address ... | --directory ...) [--output-dir DIR]
 
 Under torchrun (`torchrun --nproc-per-node N -m envserve_trainer train ...`) each process takes its
 share of the task groups and DDP/FSDP averages the gradients.
@@ -85,6 +86,10 @@ def main(argv=None) -> int:
     sf.add_argument("--output-dir", default="runs/sft", help="checkpoints and metrics.jsonl")
     sf.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
     sf.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    pe = sub.add_parser("perceive", help="warm a vision-language model up on the service's ground truth "
+                                         "(config section perception); SFT starts from the folder it writes")
+    _common(pe)
+    pe.add_argument("--output-dir", default="runs/perceived", help="the model folder (model.path for sft)")
     co = sub.add_parser("collect", help="play an expert through the gRPC API and write demonstrations (JSONL)")
     co.add_argument("--config", required=True, help="the training config (its env, rollout and model sections)")
     _service(co)
@@ -98,6 +103,8 @@ def main(argv=None) -> int:
     if args.command == "sft":
         return _sft(cfg, args)
     conn = _connection(args)
+    if args.command == "perceive":
+        return _perceive(cfg, args, conn)
     if args.command == "train":
         from .train import Trainer
         if args.iterations is not None and args.iterations < 1:
@@ -128,6 +135,26 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(text)
     print(text)
+    return 0
+
+
+def _perceive(cfg: TrainConfig, args, conn) -> int:
+    from .perception import perceive
+    from .train import build_vision_policy_model, vision_codec
+    if not cfg.model.vision or not cfg.perception.boards:
+        raise SystemExit("envserve-train perceive: the config needs model.vision and perception.boards")
+    model, processor = build_vision_policy_model(cfg, args.device, conn)
+    client = conn.sync_client()
+    try:
+        result = perceive(model, vision_codec(cfg, processor), cfg, client, logging.getLogger("perception").info)
+    except ValueError as e:
+        raise SystemExit(f"envserve-train perceive: {e}") from None
+    finally:
+        client.close()
+    out = Path(args.output_dir)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    print(json.dumps({"model": str(out), **result}))
     return 0
 
 

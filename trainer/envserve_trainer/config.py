@@ -236,6 +236,35 @@ class SFTSection:
             raise ValueError("sft.warmup_steps and sft.checkpoint_every must be >= 0")
 
 
+@dataclass(frozen=True)
+class PerceptionSection:
+    """A vision-language policy's warm-up on the service's ground truth before SFT (perception.py):
+    the vision tower learns what each image token's cell and the cells beside it hold, then the
+    language model learns to say what surrounds the player. boards: 0 skips it."""
+    boards: int = 0                 # boards played with random moves, from seed_start
+    seed_start: int = 50_000        # apart from the training, RL and held-out seeds
+    moves: int = 8                  # random moves a board (a view per observation)
+    actions: tuple = ("Left", "Down", "Right", "Up")   # what the random moves draw from
+    held_out: int = 16              # boards from seed_start + boards on, kept back for the accuracies
+    epochs: int = 3                 # the vision tower's passes over the views
+    lr: float = 1.0e-3
+    batch_size: int = 64
+    captions: str = ""              # an expert whose surroundings(state) is the caption; "": no captions
+    question: str = "What is around you?"
+    caption_steps: int = 400        # the language model's steps on (view, caption) pairs
+    caption_lr: float = 1.0e-3
+    caption_batch_size: int = 32
+    seed: int = 0                   # the random moves, the head and the data order
+
+    def __post_init__(self) -> None:
+        if min(self.boards, self.moves, self.held_out, self.caption_steps) < 0:
+            raise ValueError("perception.boards, moves, held_out and caption_steps must be >= 0")
+        if self.epochs < 1 or self.batch_size < 1 or self.caption_batch_size < 1:
+            raise ValueError("perception.epochs, batch_size and caption_batch_size must be >= 1")
+        if self.boards and not self.actions:
+            raise ValueError("perception.actions must name the moves to draw from")
+
+
 _METHOD_CONFIGS = {"agentprm": AgentPRMConfig, "inverse_prm": InversePRMConfig, "progrm": ProgRMConfig,
                    "ipr": IPRConfig, "rro": RROConfig, "arpo": ARPOConfig}
 
@@ -306,6 +335,7 @@ class TrainConfig:
     run: RunSection = field(default_factory=RunSection)
     sft: SFTSection = field(default_factory=SFTSection)
     process: ProcessSection = field(default_factory=ProcessSection)
+    perception: PerceptionSection = field(default_factory=PerceptionSection)
 
     def __post_init__(self) -> None:
         if not self.update.rescore_old and self.rollout.top_p < 1.0:
@@ -332,6 +362,7 @@ class TrainConfig:
             run=_typed(RunSection, data.get("run"), "run"),
             sft=_typed(SFTSection, data.get("sft"), "sft"),
             process=ProcessSection.from_mapping(data.get("process")),
+            perception=_typed(PerceptionSection, data.get("perception"), "perception", lists=("actions",)),
         )
 
     @classmethod
@@ -359,4 +390,5 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["rollout"]["allowed_words"] = list(self.rollout.allowed_words)
+        out["perception"]["actions"] = list(self.perception.actions)
         return out

@@ -157,3 +157,13 @@ def test_config_refuses_typos_and_bad_values():
         TrainConfig.from_mapping({"algo": {"advantage": {"lamer_gamma_traj": 1.5}}})
     cfg = TrainConfig.from_mapping({"rollout": {"allowed_words": ["Left"]}})
     assert TrainConfig.from_mapping(cfg.to_dict()) == cfg
+    # The perception warm-up: off unless boards are given; its moves a list; bad numbers refused.
+    assert TrainConfig().perception.boards == 0
+    cfg = TrainConfig.from_mapping({"perception": {"boards": 10, "actions": ["Up", "Down"]}})
+    assert cfg.perception.actions == ("Up", "Down") and TrainConfig.from_mapping(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="perception.boards"):
+        TrainConfig.from_mapping({"perception": {"boards": -1}})
+    with pytest.raises(ValueError, match="perception.actions"):
+        TrainConfig.from_mapping({"perception": {"boards": 3, "actions": []}})
+    with pytest.raises(ValueError, match="must be a list"):
+        TrainConfig.from_mapping({"perception": {"actions": "Up"}})
