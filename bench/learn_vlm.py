@@ -11,6 +11,10 @@ Everything comes from the bundled config trainer/envserve_trainer/configs/learn_
                <observation>, say why in <reasoning>, predict the next state in <prediction>, and
                move in <answer>
   2. base      the random-weight VLM is evaluated on held-out maps
+     perceive  only when the config's perception.boards is set: the warm-up of
+               envserve_trainer.perception (the tower learns the cells from GetState, the language
+               model the expert's captions); SFT starts from that model, and the summary gets
+               perception_* figures
   3. sft       supervised fine-tuning on the demonstrations (the pictures in the prompts), evaluated
   4. rl        RL from the SFT checkpoint (the config's estimator, the judge's rewards when it uses
                them), once per RL seed, evaluated; bench.rl holds what RL changes in the config
@@ -221,6 +225,7 @@ def blind_success(client, cfg, plan: list[str]) -> float:
 def run(args, cfg, bench: dict[str, Any], conn, log, started: float) -> dict[str, Any]:
     from envserve.client import EnvClient
     from envserve_trainer.collect import collect
+    from envserve_trainer.perception import perceive
     from envserve_trainer.policy.vision import HFVisionPolicy
     from envserve_trainer.sft import SFTTrainer
     from envserve_trainer.train import Trainer, build_vision_policy_model, policy_folder, vision_codec
@@ -251,8 +256,22 @@ def run(args, cfg, bench: dict[str, Any], conn, log, started: float) -> dict[str
         log(f"base {json.dumps(result['stages']['base'])}")
     del base
 
+    sft_cfg = cfg
+    if cfg.perception.boards:
+        # The vision tower learns to see from the service's ground truth; SFT starts from that model.
+        model, processor = build_vision_policy_model(cfg, args.device, conn)
+        with EnvClient(conn.env_address) as client:
+            result["perception"] = perceive(model, vision_codec(cfg, processor), cfg, client, log)
+        model.save_pretrained(out / "perceived")
+        processor.save_pretrained(out / "perceived")
+        del model
+        sft_cfg = cfg.with_overrides(model={"path": str(out / "perceived"), "random_init": ""})
+        vision = result["perception"]["vision"]["accuracy"]
+        log(f"perception ({result['perception']['seconds']:.0f} s): held-out tower accuracy {json.dumps(vision)}; "
+            f"captions {json.dumps(result['perception'].get('captions', {}).get('after'))}")
+
     t1 = time.monotonic()
-    sft = SFTTrainer(cfg, out / "sft", [demos], conn, device=args.device)
+    sft = SFTTrainer(sft_cfg, out / "sft", [demos], conn, device=args.device)
     loss_first = sft.loss()
     records = sft.run()
     result["sft"] = {"steps": sft.step, "samples": len(sft.sequences), "seconds": round(time.monotonic() - t1, 1),
@@ -314,6 +333,15 @@ def summarize(result: dict[str, Any], minutes: float) -> dict[str, Any]:
                                    t for v in result.get("rl", {}).values() for t in v["iteration_seconds"]), 1)
                                if result.get("rl") else None}
     summary["blind_greedy_success"] = result["blind"]["greedy_success"]
+    if "perception" in result:
+        tower = result["perception"]["vision"]
+        summary["perception_seconds"] = result["perception"]["seconds"]
+        summary["perception_beside_accuracy"] = round(statistics.mean(
+            v for k, v in tower["accuracy"].items() if k != "cell"), 4)
+        summary["perception_beside_majority"] = round(statistics.mean(
+            v for k, v in tower["majority"].items() if k != "cell"), 4)
+        captions = result["perception"].get("captions", {}).get("after", {})
+        summary["perception_captions_uncommon_right"] = captions.get("uncommon_phrases_right")
     keys = ("greedy_success", "sampled_success", "invalid_rate", "grounding_accuracy", "grounding_exact",
             "hole_cells_jaccard", "neighbours_accuracy", "neighbour_holes_found", "greedy_distinct_first_answers")
     for stage in [s for s in ("base", "sft") if s in st]:
