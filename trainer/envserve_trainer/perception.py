@@ -59,7 +59,7 @@ def gather_views(client, cfg, seeds: Sequence[int]) -> list[View]:
                     raise ValueError(f"{env.env_id} observations carry no image: perception needs "
                                      "env_config render_image")
                 views.append(View(result.observation.images[0].png, MessageToDict(client.get_state(sid).state)))
-                if result.done or k == p.moves:
+                if result.done or result.truncated or k == p.moves:
                     break
                 result = client.step_one(sid, f"<answer>{rng.choice(p.actions)}</answer>")
                 if not result.action_valid:
