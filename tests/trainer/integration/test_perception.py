@@ -173,3 +173,15 @@ def test_the_cli_writes_a_model_folder_sft_can_start_from(grid_server, tmp_path,
         main(["perceive", "--config", str(config), "--env-address", grid_server.address,
               "--output-dir", str(tmp_path / "none")])
     assert not (tmp_path / "none").exists()
+
+
+def test_idefics3s_tower_learns_its_cells_too(grid_server):
+    # Idefics3 sees every image at 128 px as 4 x 4 pixel-shuffled tokens, row by row: one a cell.
+    cfg = _cfg(model={"vision": "idefics3"})
+    model, codec = _model(cfg, grid_server.address)
+    with EnvClient(grid_server.address) as client:
+        train = gather_views(client, cfg, range(50_000, 50_040))
+        test = gather_views(client, cfg, range(50_040, 50_048))
+    vision = train_vision(model, codec, train, test, cfg.perception)
+    assert vision["accuracy"]["cell"] >= 0.95 > vision["majority"]["cell"]
+    assert vision["accuracy"]["cell"] > vision["accuracy_before"]["cell"]
