@@ -183,8 +183,8 @@ def captioner(name: str) -> Callable[[Mapping[str, Any]], str]:
 
 
 def caption_rows(codec, views: Sequence[View], caption: Callable[[Mapping[str, Any]], str],
-                 question: str) -> list[tuple[list[int], int, bytes]]:
-    """(ids of prompt and caption, where the caption starts, the PNG) of each view."""
+                 question: str) -> list[tuple[list[int], list[int], bytes]]:
+    """(prompt ids, caption ids, the PNG) of each view."""
     tok = codec.tokenizer
     end = tok.convert_tokens_to_ids("<|im_end|>")
     end = end if isinstance(end, int) and end != tok.unk_token_id else tok.eos_token_id
@@ -193,33 +193,15 @@ def caption_rows(codec, views: Sequence[View], caption: Callable[[Mapping[str, A
         prompt, _ = codec.encode_chat([{"role": "user", "content": [{"type": "image", "png": v.png},
                                                                     {"type": "text", "text": question}]}])
         answer = list(tok(caption(v.state), add_special_tokens=False)["input_ids"]) + ([end] if end is not None else [])
-        rows.append((prompt + answer, len(prompt), v.png))
+        rows.append((prompt, answer, v.png))
     return rows
-
-
-def _caption_batch(model, codec, rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logits, labels, label mask) of a batch of caption rows, right-padded."""
-    from .policy.vision import forward_kwargs
-    device = next(model.parameters()).device
-    width = max(len(ids) for ids, _, _ in rows)
-    pad = codec.tokenizer.pad_token_id if codec.tokenizer.pad_token_id is not None else 0
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    scored = torch.zeros((len(rows), width), dtype=torch.bool)
-    for i, (row, start, _) in enumerate(rows):
-        ids[i, :len(row)] = torch.tensor(row)
-        mask[i, :len(row)] = 1
-        scored[i, start:len(row)] = True
-    ids, mask, scored = ids.to(device), mask.to(device), scored.to(device)
-    vision = codec.model_inputs([[png] for _, _, png in rows], device=device)
-    logits = model(**forward_kwargs(codec, ids, mask, vision)).logits
-    return logits[:, :-1], ids[:, 1:], scored[:, 1:]
 
 
 def train_captions(model, codec, train: Sequence[View], test: Sequence[View], p,
                    log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """With the vision tower frozen, trains the language model to answer perception.question with
     the captions' words. Returns read_captions on the held-out views before and after."""
+    from .policy.vision import vision_sequence_logprobs
     caption = captioner(p.captions)
     train_rows = caption_rows(codec, train, caption, p.question)
 
@@ -243,8 +225,10 @@ def train_captions(model, codec, train: Sequence[View], test: Sequence[View], p,
             at = 0
         batch = [train_rows[j] for j in order[at:at + p.caption_batch_size]]
         at += p.caption_batch_size
-        logits, labels, scored = _caption_batch(model, codec, batch)
-        loss = torch.nn.functional.cross_entropy(logits[scored], labels[scored])
+        # SFT's loss: the mean negative log-probability of the answer tokens.
+        logp, mask = vision_sequence_logprobs(model, codec, [r[0] for r in batch], [r[1] for r in batch],
+                                              [[r[2]] for r in batch])
+        loss = -logp[mask].mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
