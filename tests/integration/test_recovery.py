@@ -341,15 +341,21 @@ def test_a_text_session_survives_kill_of_its_replica(redis_server, env_id):
     cluster = Cluster(redis_server.url, [env_id], ["text-a", "text-b"])
     try:
         with RoutedClient(redis_server.url) as client, RoutedClient(redis_server.url) as ref:
+            elsewhere = []  # (client, session) opened on the other replica, kept until both are placed
+
             def open_on(c, rid):
-                # Both sessions on text-a: the reference is stepped before the kill, the subject after.
+                # The subject on text-a (killed), the reference on text-b. A misplaced session stays
+                # open: closed at once, the loads are even again after the next heartbeat and a slow
+                # Open would land on the same replica every time (ties break the same way).
                 for _ in range(8):
                     sid = c.open(env_id, 1, config, "no_think")[0]
                     if replica_of(sid) == rid:
                         return sid
-                    c.close_sessions([sid])
+                    elsewhere.append((c, sid))
                 raise AssertionError(f"no session landed on {rid}")
             sid, ref_sid = open_on(client, "text-a"), open_on(ref, "text-b")
+            for c, s in elsewhere:
+                c.close_sessions([s])
             views = {}
             for c, s in ((client, sid), (ref, ref_sid)):
                 r = c.reset([s], [seed])[0]
