@@ -274,7 +274,8 @@ def run(args, cfg, bench: dict[str, Any], conn, log, started: float) -> dict[str
     sft = SFTTrainer(sft_cfg, out / "sft", [demos], conn, device=args.device)
     loss_first = sft.loss()
     records = sft.run()
-    result["sft"] = {"steps": sft.step, "samples": len(sft.sequences), "seconds": round(time.monotonic() - t1, 1),
+    result["sft"] = {"steps": sft.step, "samples": len(sft.sequences), "caption_samples": sft.caption_samples,
+                     "seconds": round(time.monotonic() - t1, 1),
                      "loss_first": loss_first, "loss_last": sft.loss(),
                      "step_losses": [r["sft"]["loss"] for r in records]}
     t2 = time.monotonic()
@@ -325,6 +326,7 @@ def summarize(result: dict[str, Any], minutes: float) -> dict[str, Any]:
     summary: dict[str, Any] = {"env": result["env"], "model": result["model"], "estimator": result["estimator"],
                                "device": result["device"], "minutes": round(minutes, 1),
                                "demos": result["collect"]["episodes"], "sft_steps": result["sft"]["steps"],
+                               "sft_caption_samples": result["sft"]["caption_samples"],
                                "sft_loss_first": round(result["sft"]["loss_first"], 4),
                                "sft_loss_last": round(result["sft"]["loss_last"], 4),
                                "rl_iterations": {s: v["iterations"] for s, v in result.get("rl", {}).items()},

@@ -254,14 +254,20 @@ class PerceptionSection:
     caption_steps: int = 400        # the language model's steps on (view, caption) pairs
     caption_lr: float = 1.0e-3
     caption_batch_size: int = 32
+    # Boards from seed_start whose (view, caption) pairs join SFT's demonstrations: SFT on VAGEN's
+    # answers alone lets the model forget how to read the picture. 0: the demonstrations alone.
+    sft_boards: int = 0
     seed: int = 0                   # the random moves, the head and the data order
 
     def __post_init__(self) -> None:
-        if min(self.boards, self.moves, self.held_out, self.caption_steps) < 0:
-            raise ValueError("perception.boards, moves, held_out and caption_steps must be >= 0")
+        if min(self.boards, self.moves, self.held_out, self.caption_steps, self.sft_boards) < 0:
+            raise ValueError("perception.boards, moves, held_out, caption_steps and sft_boards must be >= 0")
+        if self.sft_boards and not self.captions:
+            raise ValueError("perception.sft_boards mixes captions into SFT: name perception.captions, the expert "
+                             "whose surroundings(state) captions the views")
         if self.epochs < 1 or self.batch_size < 1 or self.caption_batch_size < 1:
             raise ValueError("perception.epochs, batch_size and caption_batch_size must be >= 1")
-        if self.boards and not self.actions:
+        if (self.boards or self.sft_boards) and not self.actions:
             raise ValueError("perception.actions must name the moves to draw from")
 
 

@@ -18,7 +18,8 @@ the policy can learn to see from the service itself (config section `perception`
 
 Neither training alone gets a small model to name the holes beside the player; both together do, on
 boards it never saw. `perceive` runs all three and returns the held-out figures; the caller saves
-the model, and SFT starts from that folder.
+the model, and SFT starts from that folder. SFT on the demonstrations alone then lets the model
+forget the captions; `sft_caption_rows` (perception.sft_boards) keeps them in SFT's data.
 """
 from __future__ import annotations
 
@@ -195,6 +196,15 @@ def caption_rows(codec, views: Sequence[View], caption: Callable[[Mapping[str, A
         answer = list(tok(caption(v.state), add_special_tokens=False)["input_ids"]) + ([end] if end is not None else [])
         rows.append((prompt, answer, v.png))
     return rows
+
+
+def sft_caption_rows(codec, cfg, client) -> list[tuple[list[int], list[int], bytes]]:
+    """caption_rows of the views of perception.sft_boards boards from perception.seed_start (the
+    warm-up's own training boards), to be trained beside SFT's demonstrations."""
+    p = cfg.perception
+    caption = captioner(p.captions)
+    views = gather_views(client, cfg, range(p.seed_start, p.seed_start + p.sft_boards))
+    return caption_rows(codec, views, caption, p.question)
 
 
 def train_captions(model, codec, train: Sequence[View], test: Sequence[View], p,

@@ -282,6 +282,9 @@ class SFTTrainer:
         if not self.sequences:
             raise ValueError(f"no training sequences in {[str(d) for d in data]} "
                              f"({len(records)} episodes; sft.only_success={cfg.sft.only_success})")
+        self.caption_samples = 0
+        if cfg.perception.sft_boards:
+            self.sequences += self._caption_samples(cfg, connection)
         self.prefixes = group_prefixes(self.sequences) if self.codec is None else {}
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.sft.lr,
                                            weight_decay=cfg.sft.weight_decay)
@@ -294,8 +297,25 @@ class SFTTrainer:
                 self._load(ckpt)
                 log.info("resumed from %s (step %d)", ckpt, self.step)
         self.metrics = MetricsLog(self.out / METRICS_FILE)
-        log.info("sft: %d sequences (%d answer tokens) from %d episodes, %d steps", len(self.sequences),
-                 sum(self._answer_tokens(s) for s in self.sequences), len(records), self.total_steps)
+        log.info("sft: %d sequences (%d answer tokens) from %d episodes and %d captions, %d steps",
+                 len(self.sequences), sum(self._answer_tokens(s) for s in self.sequences), len(records),
+                 self.caption_samples, self.total_steps)
+
+    def _caption_samples(self, cfg: TrainConfig, connection) -> list[VisionSample]:
+        """perception.sft_boards' (view, caption) pairs, gathered through the service."""
+        from .perception import sft_caption_rows
+        if self.codec is None:
+            raise ValueError("perception.sft_boards needs a vision-language policy (model.vision)")
+        if connection is None:
+            raise ValueError("perception.sft_boards gathers its views through the service: give an env address "
+                             "(--env-address) or a directory")
+        client = connection.sync_client()
+        try:
+            rows = sft_caption_rows(self.codec, cfg, client)
+        finally:
+            client.close()
+        self.caption_samples = len(rows)
+        return [VisionSample(prompt, answer, [png], "perception") for prompt, answer, png in rows]
 
     @staticmethod
     def _answer_tokens(seq) -> int:

@@ -131,6 +131,41 @@ def test_sft_on_image_demonstrations_resumes_exactly(grid_server, vlm_demos, tmp
         assert torch.allclose(a, b, atol=1e-6), name
 
 
+def test_perception_captions_train_beside_the_demonstrations(grid_server, vlm_demos, tmp_path):
+    from envserve_trainer.perception import captioner, gather_views
+    path, codec = vlm_demos
+    conn = Connection(env_address=grid_server.address)
+    perception = {"captions": "frozenlake_neighbours", "sft_boards": 3, "moves": 3}
+    plain = SFTTrainer(_cfg(), tmp_path / "plain", [path], conn)
+    mixed = SFTTrainer(_cfg(perception=perception), tmp_path / "mixed", [path], conn)
+    demos = len(plain.sequences)
+    captions = mixed.sequences[demos:]
+    # The demonstrations as before, then one (view, caption) pair per view of the boards.
+    assert [(s.prompt_ids, s.completion_ids, s.images) for s in mixed.sequences[:demos]] == \
+        [(s.prompt_ids, s.completion_ids, s.images) for s in plain.sequences]
+    with EnvClient(grid_server.address) as client:
+        views = gather_views(client, mixed.cfg, range(50_000, 50_003))
+    assert mixed.caption_samples == len(captions) == len(views) > 3
+    caption = captioner("frozenlake_neighbours")
+    for sample, view in zip(captions, views):
+        assert sample.images == [view.png]
+        said = codec.tokenizer.decode(sample.completion_ids, skip_special_tokens=True)
+        assert said == caption(view.state)
+    assert any("hole" in caption(v.state) for v in views)
+    assert mixed.steps_per_epoch > plain.steps_per_epoch
+    # The captions are learned with the rest: their loss falls as SFT runs.
+    before = mixed.loss(captions)
+    mixed.run(max_steps=6)
+    assert mixed.loss(captions) < before
+    # No service to gather views through, no captioning expert: clear errors before training.
+    from envserve_trainer.train import policy_folder
+    saved = {"path": str(policy_folder(plain.save())), "random_init": ""}
+    with pytest.raises(ValueError, match="gathers its views through the service"):
+        SFTTrainer(_cfg(perception=perception, model=saved), tmp_path / "none", [path], None)
+    with pytest.raises(ValueError, match="perception.sft_boards mixes captions into SFT: name perception.captions"):
+        _cfg(perception={"sft_boards": 3})
+
+
 def _rewrite(path, out, change):
     lines = path.read_text().splitlines()
     rec = json.loads(lines[1])
