@@ -186,10 +186,14 @@ def evaluate(cfg, policy, conn, samples: int) -> dict[str, Any]:
 
 
 def blind_plan(demos: Path) -> list[str]:
-    """The move sequence the demonstrations take most often, whole episodes (ties: the first met)."""
+    """The move sequence the demonstrations take most often from the start (those after a detour
+    start elsewhere), whole episodes (ties: the first met)."""
     counts: dict[tuple[str, ...], int] = {}
     for line in demos.read_text().splitlines():
-        moves = tuple(m.strip() for turn in json.loads(line)["turns"]
+        record = json.loads(line)
+        if record.get("detour"):
+            continue
+        moves = tuple(m.strip() for turn in record["turns"]
                       for m in ANSWER.search(turn["answer"]).group(1).split(",") if m.strip())
         counts[moves] = counts.get(moves, 0) + 1
     return list(max(counts, key=counts.get)) if counts else []
@@ -244,7 +248,8 @@ def run(args, cfg, bench: dict[str, Any], conn, log, started: float) -> dict[str
     with EnvClient(conn.env_address) as client:
         seeds = list(range(cfg.env.seed_start, cfg.env.seed_start + cfg.env.num_tasks))
         result["collect"] = collect(client, cfg, codec.tokenizer, demos, seeds, expert=str(bench.get("expert", "")),
-                                    codec=codec)
+                                    codec=codec, detour=int(bench.get("detour", 0)),
+                                    detour_actions=list(bench.get("detour_actions", ())))
         plan = blind_plan(demos)
         result["blind"] = {"plan": plan, "greedy_success": blind_success(client, cfg, plan)}
     log(f"{result['collect']['episodes']} demonstrations, expert success {result['collect']['success_rate']:.2f}, "

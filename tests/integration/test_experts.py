@@ -70,6 +70,35 @@ def test_minesweeper_expert_reads_only_the_visible_board(client):
 NEIGHBOUR_WORDS = {"O": "a hole", "G": "the goal", "_": "ice"}
 
 
+def test_a_detour_starts_episodes_from_varied_states_the_same_for_a_seed(client):
+    """detour: random moves before the expert takes over, drawn from the seed, never one that ends
+    the episode; the episode is recorded from where they lead."""
+    kw = dict(config={"max_actions_per_turn": 1}, expert=EXPERTS["frozenlake_neighbours"])
+
+    def player(text: str) -> tuple[int, int]:
+        rows = text.strip().splitlines()
+        (r, c), = [(i, row.index("P")) for i, row in enumerate(rows) if "P" in row]
+        return r, c
+
+    plain = play_expert(client, "frozenlake", SEEDS, "free_think", **kw)
+    wandered = play_expert(client, "frozenlake", SEEDS, "free_think", detour=5, detour_actions=["Down", "Right"], **kw)
+    again = play_expert(client, "frozenlake", SEEDS, "free_think", detour=5, detour_actions=["Down", "Right"], **kw)
+    assert {player(e.first.observation.text) for e in plain} == {(0, 0)} and not any(e.detour for e in plain)
+    assert sum(bool(e.detour) for e in wandered) >= 8
+    assert len({player(e.first.observation.text) for e in wandered}) >= 5
+    for e in wandered:
+        assert set(e.detour) <= {"Down", "Right"} and len(e.detour) <= 5
+        # The first recorded observation is where the detour's moves lead from the start, alive.
+        down = min(3, e.detour.count("Down"))
+        assert player(e.first.observation.text) == (down, min(3, e.detour.count("Right"))), (e.seed, e.detour)
+        assert not e.first.done and e.turns and e.turns[0].observation == e.first.observation.text
+    assert [(e.detour, e.first.observation.text, [t.answer for t in e.turns]) for e in wandered] == \
+        [(e.detour, e.first.observation.text, [t.answer for t in e.turns]) for e in again]
+    assert sum(e.success for e in wandered) >= 15
+    with pytest.raises(ValueError, match="a detour needs detour_actions"):
+        play_expert(client, "frozenlake", SEEDS, "free_think", detour=3, **kw)
+
+
 def test_frozenlake_neighbour_expert_moves_once_a_turn_from_the_cells_around_it(client):
     """Its facts are the four cells around the player on the text board, its move the first safe
     one of Down, Right, Left, Up that does not go back, and it never falls in a hole."""

@@ -11,7 +11,8 @@ From `turns`, SFT can rebuild the samples for another tokenizer or template.
 
 One line:
   env_id, seed, split, action_format, env_config (as the sessions were opened), expert, success,
-  score, turn_limited, guesses, system_prompt, admissible_actions, final_observation,
+  score, turn_limited, guesses, detour (random moves played before the first recorded turn),
+  system_prompt, admissible_actions, final_observation,
   turns: [{turn, observation (what the agent saw), images (the observation's PNGs, base64; only
            when the session sends pictures, e.g. render_image), answer (the full text sent), actions
            (parsed), reward, reward_components, anchor (after the step), state_anchor (the state acted
@@ -166,7 +167,7 @@ def episode_record(episode, admissible_actions: str) -> dict[str, Any]:
         "env_id": episode.env_id, "seed": episode.seed, "split": episode.split,
         "action_format": episode.action_format, "env_config": dict(episode.config), "expert": episode.expert,
         "success": episode.success, "score": episode.score, "turn_limited": episode.turn_limited,
-        "guesses": episode.guesses, "system_prompt": episode.system_prompt,
+        "guesses": episode.guesses, "detour": list(episode.detour), "system_prompt": episode.system_prompt,
         "admissible_actions": admissible_actions, "final_observation": last.observation.text, "turns": turns,
     }
 
@@ -190,11 +191,14 @@ def task_seeds(cfg: TrainConfig, episodes: int | None = None, seed_start: int | 
 
 
 def collect(client, cfg: TrainConfig, tokenizer, out: str | os.PathLike, seeds: Sequence[int], expert: str = "",
-            batch_size: int = 32, append: bool = False, tokenizer_source: str = "", codec=None) -> dict[str, Any]:
+            batch_size: int = 32, append: bool = False, tokenizer_source: str = "", codec=None,
+            detour: int = 0, detour_actions: Sequence[str] = ()) -> dict[str, Any]:
     """Plays the expert on `seeds` through `client` (EnvClient or RoutedClient) and writes one line per
     episode to `out` as it ends. Returns a summary (episodes, successes, samples, seconds, demos/s).
-    `codec` (policy.vision.VisionCodec): the samples are a vision-language model's, images in place."""
+    `codec` (policy.vision.VisionCodec): the samples are a vision-language model's, images in place.
+    detour > 0: each episode starts after up to that many random moves (play_expert's detour)."""
     from envserve.client.experts import EXPERTS, expert_for, play_expert
+    from envserve.client.experts.play import check_detour
 
     from .pretrained import tokenizer_id
 
@@ -202,6 +206,7 @@ def collect(client, cfg: TrainConfig, tokenizer, out: str | os.PathLike, seeds: 
     if expert and expert not in EXPERTS:
         raise ValueError(f"unknown expert {expert!r}; experts: {sorted(EXPERTS)}")
     cls = EXPERTS[expert] if expert else expert_for(env.env_id)
+    check_detour(detour, detour_actions)    # before the file is made
     layout = ChatLayout(tokenizer, codec)
     tok_id = tokenizer_id(tokenizer)
     vision = {"vision": codec.arch, "max_images": ro.max_images} if codec is not None else {}
@@ -234,7 +239,8 @@ def collect(client, cfg: TrainConfig, tokenizer, out: str | os.PathLike, seeds: 
 
     with f:
         play_expert(client, env.env_id, seeds, env.action_format, config=env.env_config, split=env.split,
-                    expert=cls, batch_size=batch_size, max_turns=ro.max_turns, on_episode=write)
+                    expert=cls, batch_size=batch_size, max_turns=ro.max_turns, on_episode=write,
+                    detour=detour, detour_actions=detour_actions)
     seconds = time.perf_counter() - start
     return {**stats, "success_rate": stats["successes"] / max(stats["episodes"], 1), "seconds": round(seconds, 3),
             "demos_per_s": round(stats["episodes"] / seconds, 2) if seconds > 0 else 0.0, "out": str(path),
@@ -286,6 +292,10 @@ def add_collect_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default="", help="model source whose tokenizer builds the samples "
                                                    "(default: model.path of the config)")
     p.add_argument("--batch-size", type=int, default=32, help="sessions played at once")
+    p.add_argument("--detour", type=int, default=0, help="up to this many random moves before the expert takes "
+                                                         "over: episodes start from varied states")
+    p.add_argument("--detour-actions", default="", help="the actions the detour draws from, comma separated "
+                                                        "(e.g. Left,Down,Right,Up)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per gRPC call (first ALFWorld resets "
                                                                 "generate games)")
 
@@ -328,7 +338,8 @@ def run_collect(args) -> int:
     client = _client(args)
     try:
         summary = collect(client, cfg, tokenizer, args.out, seeds, args.expert, args.batch_size, args.append,
-                          tokenizer_source=source, codec=codec)
+                          tokenizer_source=source, codec=codec, detour=args.detour,
+                          detour_actions=[a.strip() for a in args.detour_actions.split(",") if a.strip()])
     except (ValueError, FileExistsError) as e:
         raise SystemExit(f"envserve-train collect: {e}") from None
     finally:

@@ -147,6 +147,15 @@ def test_cli_collects_and_refuses_to_overwrite_or_leak_eval_seeds(grid_server, t
     assert sorted(r["seed"] for r in load_records(out)) == [0, 1, 2, 3, 4, 5]
     with pytest.raises(SystemExit, match="held-out evaluation seeds"):
         _collect(*common, "--out", str(tmp_path / "x.jsonl"), "--seed-start", "95", "--episodes", "10")
+    # --detour: each line names the random moves played before its first turn.
+    wandered = tmp_path / "wandered.jsonl"
+    assert _collect(*common, "--out", str(wandered), "--detour", "4", "--detour-actions", "Down, Right") == 0
+    detours = [r["detour"] for r in load_records(wandered)]
+    assert any(detours) and all(set(d) <= {"Down", "Right"} and len(d) <= 4 for d in detours)
+    assert all(r["detour"] == [] for r in load_records(out))
+    with pytest.raises(SystemExit, match="a detour needs detour_actions"):
+        _collect(*common, "--out", str(tmp_path / "y.jsonl"), "--detour", "4")
+    assert not (tmp_path / "y.jsonl").exists()
     with pytest.raises(SystemExit, match="no expert for env"):
         bad = tmp_path / "svg.json"
         bad.write_text(json.dumps({"env": {"env_id": "svg"}}))

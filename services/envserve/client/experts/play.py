@@ -6,6 +6,7 @@ state), and steps all sessions in one batch. A finished session is reset to the 
 """
 from __future__ import annotations
 
+import random
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ class ExpertEpisode:
     session_id: str = ""               # closed when play_expert returns; open during on_episode
     turns: list[ExpertTurn] = field(default_factory=list)
     turn_limited: bool = False         # max_turns ended it before the env did
+    detour: list[str] = field(default_factory=list)   # random moves played before `first`, unrecorded
 
     @property
     def success(self) -> bool:
@@ -101,18 +103,31 @@ def look_ahead(client, moves: Sequence[tuple[str, Sequence[str]]], action_format
         client.close_sessions(forks)
 
 
+def check_detour(detour: int, detour_actions: Sequence[str]) -> None:
+    if detour < 0 or (detour and not detour_actions):
+        raise ValueError("detour must be >= 0, and a detour needs detour_actions to draw its moves from")
+
+
 def play_expert(client, env_id: str, seeds: Iterable[int], action_format: str = "",
                 config: Mapping[str, Any] | None = None, split: str = "",
                 expert: "type[Expert] | None" = None, batch_size: int = 16, max_turns: int = 0,
-                on_episode: Callable[[ExpertEpisode], None] | None = None, threads: int = 8) -> list[ExpertEpisode]:
+                on_episode: Callable[[ExpertEpisode], None] | None = None, threads: int = 8,
+                detour: int = 0, detour_actions: Sequence[str] = ()) -> list[ExpertEpisode]:
     """Plays `expert` (default: the env's) on each seed and returns the episodes in seed order.
 
     client: an EnvClient or RoutedClient. config: the session config (the expert's required keys,
     e.g. ALFWorld's `expert: true`, are added). max_turns > 0 ends an episode after that many turns
     (a trainer's own limit), else the env's limit does. on_episode sees each episode as it ends, so a
-    caller can write it out before the rest finish. A failed item raises its EnvServeError."""
+    caller can write it out before the rest finish. A failed item raises its EnvServeError.
+
+    detour > 0: before the expert takes over, each episode plays up to that many random moves from
+    `detour_actions` (how many and which drawn from its seed), and is recorded from there. An
+    expert's path from the reset repeats itself; a policy imitating it can follow the path without
+    reading the observation. Starting from varied states, the answers differ where the states do. A
+    detour that ends the episode is dropped and the episode starts at its reset."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    check_detour(detour, detour_actions)
     cls = expert or expert_for(env_id)
     spec = client.get_spec(env_id)
     action_format = action_format or spec.default_action_format
@@ -128,11 +143,47 @@ def play_expert(client, env_id: str, seeds: Iterable[int], action_format: str = 
     done: dict[int, ExpertEpisode] = {}
     live: dict[str, tuple[int, _Live]] = {}
 
-    def start(pairs: list[tuple[str, tuple[int, int]]]) -> None:
+    def reset(pairs: list[tuple[str, tuple[int, int]]]) -> list[pb.StepResult]:
         results = client.reset([sid for sid, _ in pairs], [seed for _, (_, seed) in pairs], split=split)
-        for (sid, (index, seed)), r in zip(pairs, results):
+        for r in results:
             check(r)
-            ep = ExpertEpisode(env_id, seed, split, action_format, opened_config, cls.__name__, prompt, r, sid)
+        return results
+
+    def wander(pairs: list[tuple[str, tuple[int, int]]], firsts: list[pb.StepResult]) -> list[list[str]]:
+        """Each session's detour, played in batches. A move that ends the episode is cut from it: the
+        session is reset and the moves before it are played again (same seed, same states)."""
+        plans = []
+        for _, (_, seed) in pairs:
+            rng = random.Random(f"detour:{seed}")
+            plans.append([rng.choice(list(detour_actions)) for _ in range(rng.randint(0, detour))])
+
+        def move(i: int, k: int) -> tuple[str, str]:
+            return pairs[i][0], plain_answer(action_format, [plans[i][k]], separator)
+
+        for k in range(detour):
+            moving = [i for i, plan in enumerate(plans) if len(plan) > k]
+            if not moving:
+                break
+            ended = []
+            for i, r in zip(moving, client.step([move(i, k) for i in moving])):
+                firsts[i] = check(r)
+                if r.done or r.truncated:
+                    ended.append(i)
+            if ended:
+                for i, r in zip(ended, reset([pairs[i] for i in ended])):
+                    firsts[i], plans[i] = r, plans[i][:k]
+                for j in range(k):
+                    again = [i for i in ended if len(plans[i]) > j]
+                    for i, r in zip(again, client.step([move(i, j) for i in again])):
+                        firsts[i] = check(r)
+        return plans
+
+    def start(pairs: list[tuple[str, tuple[int, int]]]) -> None:
+        results = reset(pairs)
+        plans = wander(pairs, results) if detour else [[] for _ in pairs]
+        for (sid, (index, seed)), r, plan in zip(pairs, results, plans):
+            ep = ExpertEpisode(env_id, seed, split, action_format, opened_config, cls.__name__, prompt, r, sid,
+                               detour=plan)
             live[sid] = (index, _Live(sid, cls(settings), ep, r))
 
     try:
