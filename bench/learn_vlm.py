@@ -7,15 +7,16 @@ Everything comes from the bundled config trainer/envserve_trainer/configs/learn_
 --quick run):
 
   1. collect   the expert (bench.expert, reading GetState) plays the training maps through the gRPC
-               API; each turn keeps the picture the replica sent; its answers describe the state in
-               <observation>, say why in <reasoning>, predict the next state in <prediction>, and
-               move in <answer>
+               API, each after a detour of up to bench.detour random moves; each turn keeps the
+               picture the replica sent; its answers describe the state in <observation>, say why in
+               <reasoning>, predict the next state in <prediction>, and move in <answer>
   2. base      the random-weight VLM is evaluated on held-out maps
-     perceive  only when the config's perception.boards is set: the warm-up of
-               envserve_trainer.perception (the tower learns the cells from GetState, the language
+     perceive  when the config's perception.boards is set (the bundled config sets it): the warm-up
+               of envserve_trainer.perception (the tower learns the cells from GetState, the language
                model the expert's captions); SFT starts from that model, and the summary gets
                perception_* figures
-  3. sft       supervised fine-tuning on the demonstrations (the pictures in the prompts), evaluated
+  3. sft       supervised fine-tuning on the demonstrations (the pictures in the prompts) and the
+               captions of perception.sft_boards, evaluated
   4. rl        RL from the SFT checkpoint (the config's estimator, the judge's rewards when it uses
                them), once per RL seed, evaluated; bench.rl holds what RL changes in the config
                (its own maps: the SFT ones are already learned by heart)

@@ -30,6 +30,15 @@ def test_the_vlm_bench_config_is_vagens_visual_setting_with_its_own_section():
     rl_maps = set(range(rl.seed_start, rl.seed_start + rl.num_tasks))
     assert not rl_maps & set(range(cfg.env.seed_start, cfg.env.seed_start + cfg.env.num_tasks))
     assert not rl_maps & set(range(cfg.env.eval_seed_start, cfg.env.eval_seed_start + cfg.env.eval_tasks))
+    # The perception warm-up's boards (and its held-out ones) are apart from every other stage's too.
+    p = cfg.perception
+    assert p.boards and p.captions == bench["expert"] and p.sft_boards <= p.boards
+    seen = set(range(p.seed_start, p.seed_start + p.boards + p.held_out))
+    assert not seen & (rl_maps | set(range(cfg.env.seed_start, cfg.env.seed_start + cfg.env.num_tasks))
+                       | set(range(cfg.env.eval_seed_start, cfg.env.eval_seed_start + cfg.env.eval_tasks)))
+    # The neighbour expert moves once a turn; its detour draws from moves the env takes.
+    assert cfg.env.env_config["max_actions_per_turn"] == 1 and bench["detour"] > 0
+    assert set(bench["detour_actions"]) <= set(cfg.perception.actions)
     # The section is the bench's: the trainer's own mapping refuses it.
     with pytest.raises(ValueError, match="unknown config section"):
         TrainConfig.from_mapping(yaml.safe_load(path.read_text()))
