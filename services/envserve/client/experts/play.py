@@ -124,7 +124,8 @@ def play_expert(client, env_id: str, seeds: Iterable[int], action_format: str = 
     `detour_actions` (how many and which drawn from its seed), and is recorded from there. An
     expert's path from the reset repeats itself; a policy imitating it can follow the path without
     reading the observation. Starting from varied states, the answers differ where the states do. A
-    detour that ends the episode is dropped and the episode starts at its reset."""
+    detour move that would end the episode is cut, with the moves after it: the episode starts where
+    the moves before it lead (`ExpertEpisode.detour` lists the moves played)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     check_detour(detour, detour_actions)
