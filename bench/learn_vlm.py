@@ -38,6 +38,8 @@ rl_minus_sft_greedy, the spread over RL seeds and the minutes.
     .venv/bin/python bench/learn_vlm.py --quick --json                           # a few minutes
     .venv/bin/python bench/learn_vlm.py --device cuda --json                     # weights built on the GPU
     .venv/bin/python bench/learn_vlm.py --config my.yaml --skip-base --rl-seeds 0  # an RL setting of your own
+    .venv/bin/python bench/learn_vlm.py --config my.yaml --from-run runs/learn-vlm --output-dir runs/rl2 --json
+                                                      # RL again from that run's SFT checkpoint
 """
 from __future__ import annotations
 
@@ -233,15 +235,20 @@ def run(args, cfg, bench: dict[str, Any], conn, log, started: float) -> dict[str
     from envserve_trainer.perception import perceive
     from envserve_trainer.policy.vision import HFVisionPolicy
     from envserve_trainer.sft import SFTTrainer
-    from envserve_trainer.train import Trainer, build_vision_policy_model, policy_folder, vision_codec
+    from envserve_trainer.train import build_vision_policy_model, policy_folder, vision_codec
 
     out = Path(args.output_dir)
+    if args.from_run and Path(args.from_run).resolve() == out.resolve():
+        raise SystemExit("--from-run must name another folder than --output-dir (this run clears its own)")
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     result: dict[str, Any] = {"env": cfg.env.env_id, "estimator": cfg.algo.estimator, "use_judge": cfg.algo.use_judge,
                               "model": f"{cfg.model.vision} {cfg.model.random_init}", "device": args.device,
                               "stages": {}}
     samples = int(bench["samples"])
+    if args.from_run:
+        sft_policy, eval_seconds = reuse_run(Path(args.from_run), result, log)
+        return rl_stages(args, cfg, bench, conn, log, started, result, sft_policy, eval_seconds)
 
     base, processor = build_vision_policy_model(cfg, args.device, conn)
     codec = vision_codec(cfg, processor)
@@ -287,12 +294,55 @@ def run(args, cfg, bench: dict[str, Any], conn, log, started: float) -> dict[str
     t2 = time.monotonic()
     result["stages"]["sft"] = evaluate(cfg, sft.policy(), conn, samples)
     eval_seconds = time.monotonic() - t2
+    result["sft"]["eval_seconds"] = round(eval_seconds, 1)
+    result["sft"]["ended_minutes"] = round((time.monotonic() - started) / 60, 2)
     log(f"sft ({result['sft']['steps']} steps in {result['sft']['seconds']:.0f} s, loss {loss_first:.3f} -> "
         f"{result['sft']['loss_last']:.3f}) "
         f"{json.dumps(result['stages']['sft'])}")
     sft_policy = policy_folder(sft.save())
     del sft
+    return rl_stages(args, cfg, bench, conn, log, started, result, sft_policy, eval_seconds)
 
+
+def reuse_run(prior_dir: Path, result: dict[str, Any], log) -> tuple[str, float]:
+    """--from-run: take a finished run's collection, perception, SFT checkpoint and SFT evaluation
+    into `result`, so that only RL runs again (RL settings compared from one SFT policy). Returns the
+    SFT policy's folder and the time its evaluation took."""
+    from envserve_trainer.learner import latest_checkpoint
+    from envserve_trainer.train import policy_folder
+    summary = prior_dir / "summary.json"
+    checkpoint = latest_checkpoint(prior_dir / "sft")
+    if not summary.is_file() or checkpoint is None:
+        raise SystemExit(f"--from-run {prior_dir}: no finished run there (summary.json and sft/checkpoint-*)")
+    prior_all = json.loads(summary.read_text())
+    prior = prior_all["result"]
+    for key in ("collect", "blind", "perception", "sft"):
+        if key in prior:
+            result[key] = prior[key]
+    result["stages"].update({k: v for k, v in prior["stages"].items() if not k.startswith("rl-")})
+    sft = result["sft"]
+    # Runs that did not keep these are read back from their RL stages: each RL stage's time beyond
+    # its iterations is its evaluation, which plays the same maps as the SFT one.
+    rl = list(prior.get("rl", {}).values())
+    if "eval_seconds" not in sft:
+        sft["eval_seconds"] = round(statistics.mean(v["seconds"] - sum(v["iteration_seconds"]) for v in rl), 1)
+    if "ended_minutes" not in sft:
+        sft["ended_minutes"] = round(prior_all["summary"]["minutes"] - sum(v["seconds"] for v in rl) / 60, 2)
+    result["from_run"] = str(prior_dir)
+    log(f"from {prior_dir}: SFT ended at {sft['ended_minutes']:.1f} min, greedy "
+        f"{result['stages']['sft']['greedy_success']:.2f}; RL starts from {checkpoint.name}")
+    return policy_folder(checkpoint), float(sft["eval_seconds"])
+
+
+def rl_stages(args, cfg, bench: dict[str, Any], conn, log, started: float, result: dict[str, Any],
+              sft_policy: str, eval_seconds: float) -> dict[str, Any]:
+    """RL from the SFT policy once per seed, each evaluated; the seeds share what the budget leaves."""
+    from envserve_trainer.train import Trainer
+    out = Path(args.output_dir)
+    samples = int(bench["samples"])
+    # A reused run's minutes up to its SFT evaluation count against the budget as if they ran here.
+    if "from_run" in result:
+        started -= 60 * result["sft"]["ended_minutes"]
     budget = 60 * float(args.minutes if args.minutes is not None else bench["minutes"])
     rl_seeds = list(args.rl_seeds if args.rl_seeds is not None else bench["rl_seeds"])
     rl_overrides = dict(bench.get("rl", {}))
@@ -380,6 +430,8 @@ def main() -> int:
                     help="default: bench.rl_seeds; none at all stops after SFT")
     ap.add_argument("--config", help=f"a config of the same shape as the bundled {CONFIG} (its bench section too)")
     ap.add_argument("--skip-base", action="store_true", help="no evaluation of the random-weight model (RL settings sweeps)")
+    ap.add_argument("--from-run", metavar="DIR",
+                    help="reuse a finished run's demonstrations, perception and SFT; run RL only (RL settings sweeps)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda: where the weights are built and trained")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
     args = ap.parse_args()
@@ -398,7 +450,7 @@ def main() -> int:
     with ServerProcess([cfg.env.env_id], workers=1, metrics=False) as server, JudgeProcess(server.address) as judge:
         conn = Connection(env_address=server.address, judge_address=judge.address)
         result = run(args, cfg, bench, conn, log, started)
-    minutes = (time.monotonic() - started) / 60
+    minutes = (time.monotonic() - started) / 60 + result["sft"]["ended_minutes"] * ("from_run" in result)
     summary = summarize(result, minutes)
     out_dir = Path(args.output_dir)
     (out_dir / "summary.json").write_text(json.dumps({"summary": summary, "result": result}, indent=1))

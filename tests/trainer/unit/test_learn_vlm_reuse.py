@@ -1,0 +1,56 @@
+"""bench/learn_vlm.py --from-run: RL again from a finished run's SFT policy, on that run's clock."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+import learn_vlm  # noqa: E402
+
+
+def _finished_run(root: Path, sft: dict) -> Path:
+    """The files a finished run leaves: summary.json and sft/checkpoint-N/ with its policy/."""
+    run = root / "run"
+    for step in (8, 16):   # the later checkpoint is the SFT policy RL starts from
+        (run / "sft" / f"checkpoint-{step}" / "policy").mkdir(parents=True)
+        (run / "sft" / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    result = {"collect": {"episodes": 60}, "blind": {"greedy_success": 0.44}, "perception": {"seconds": 200},
+              "sft": sft,
+              "stages": {"sft": {"greedy_success": 0.69}, "rl-seed0": {"greedy_success": 0.75}},
+              "rl": {"0": {"seconds": 700.0, "iteration_seconds": [60.0] * 10},
+                     "1": {"seconds": 660.0, "iteration_seconds": [54.0] * 10}}}
+    (run / "summary.json").write_text(json.dumps({"summary": {"minutes": 40.0}, "result": result}))
+    return run
+
+
+def test_a_reused_run_gives_its_sft_stages_and_clock_and_not_its_rl(tmp_path):
+    run = _finished_run(tmp_path, {"steps": 352})
+    result = {"stages": {}}
+    policy, eval_seconds = learn_vlm.reuse_run(run, result, lambda msg: None)
+    assert policy == str(run / "sft" / "checkpoint-16" / "policy")
+    assert result["stages"] == {"sft": {"greedy_success": 0.69}}     # its RL stages are not taken
+    assert result["collect"]["episodes"] == 60 and result["perception"]["seconds"] == 200
+    assert result["from_run"] == str(run)
+    # A run that did not keep them: each RL stage's time past its iterations is an evaluation
+    # (100 s and 120 s), and SFT ended when the RL stages began (40 min - 1,360 s).
+    assert eval_seconds == pytest.approx(110.0)
+    assert result["sft"]["ended_minutes"] == pytest.approx(40.0 - 1360.0 / 60, abs=0.01)
+
+
+def test_a_reused_run_keeps_the_times_it_recorded(tmp_path):
+    run = _finished_run(tmp_path, {"steps": 352, "eval_seconds": 95.0, "ended_minutes": 17.5})
+    result = {"stages": {}}
+    _, eval_seconds = learn_vlm.reuse_run(run, result, lambda msg: None)
+    assert eval_seconds == 95.0 and result["sft"]["ended_minutes"] == 17.5
+
+
+def test_an_unfinished_run_is_refused(tmp_path):
+    run = _finished_run(tmp_path, {"steps": 1})
+    (run / "summary.json").unlink()
+    with pytest.raises(SystemExit, match="no finished run"):
+        learn_vlm.reuse_run(run, {"stages": {}}, lambda msg: None)
+    with pytest.raises(SystemExit, match="no finished run"):
+        learn_vlm.reuse_run(tmp_path / "nowhere", {"stages": {}}, lambda msg: None)
