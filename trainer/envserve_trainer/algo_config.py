@@ -56,6 +56,11 @@ class AdvantageConfig:
     lambda_turn: float = 0.95
     gamma_token: float = 1.0
     lambda_token: float = 1.0
+    # Both GAE estimators: whiten the advantages over the iteration's action tokens (mean 0, std 1)
+    # before the update, as verl's GAE does, and VAGEN's bi-level GAE with it. Without it a critic
+    # that starts at zero makes every token of a successful episode a large positive advantage and a
+    # failed one's almost none. The critic's targets (the returns) stay in reward units.
+    whiten: bool = True
 
     def __post_init__(self) -> None:
         if self.eps < 0:

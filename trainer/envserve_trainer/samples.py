@@ -68,6 +68,16 @@ def _turn_sample(turn: Turn, values: np.ndarray, group: str, returns: np.ndarray
                   turn.prompt_images)
 
 
+def _whiten(samples: Sequence[Sample], eps: float) -> None:
+    """Advantages to mean 0 and std 1 over all the samples' tokens, in place (returns untouched)."""
+    if not samples:
+        return
+    flat = np.concatenate([s.advantages for s in samples])
+    mean, std = float(flat.mean()), float(flat.std())
+    for s in samples:
+        s.advantages[:] = (s.advantages - mean) / (std + eps)
+
+
 ValueFn = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], list[np.ndarray]]
 
 
@@ -141,6 +151,8 @@ def build_samples(trials: Sequence[Trial], cfg: TrainConfig, value_fn: ValueFn |
                 out.append(Sample(t.prompt_ids, t.completion_ids, t.logprobs, a[start:start + n].copy(),
                                   ret[start:start + n].copy(), g, t.prompt_images))
                 start += n
+        if acfg.whiten:
+            _whiten([s for s in out if len(s.completion_ids)], acfg.eps)
     else:  # config validation makes this unreachable
         raise ValueError(f"unknown estimator {est!r}")
     return [s for s in out if len(s.completion_ids)]

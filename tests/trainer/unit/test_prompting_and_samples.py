@@ -141,9 +141,30 @@ def test_gae_needs_a_critic():
         build_samples([_trial("g", 0, [1.0])], cfg)
     # Values all 0, gamma 1, lambda 0.95: the only reward (1.0) sits on the last token; token
     # advantages backwards: 1.0, 0.95 (two tokens of the one turn).
-    samples = build_samples([_trial("g", 0, [1.0])], cfg, value_fn=lambda p, c: [np.zeros(len(x)) for x in c])
+    raw = TrainConfig.from_mapping({"algo": {"estimator": "gae", "advantage": {"whiten": False}}})
+    zeros = lambda p, c: [np.zeros(len(x)) for x in c]   # noqa: E731
+    samples = build_samples([_trial("g", 0, [1.0])], raw, value_fn=zeros)
     np.testing.assert_allclose(samples[0].advantages, [0.95, 1.0])
     np.testing.assert_allclose(samples[0].returns, [0.95, 1.0])
+
+
+@pytest.mark.parametrize("estimator", ["gae", "bilevel_gae"])
+def test_gae_advantages_are_whitened_over_the_batch_and_returns_are_not(estimator):
+    # Two episodes, one rewarded 1.0 and one 0.0, values all 0: raw advantages are all >= 0, so
+    # without whitening the failed episode would not be pushed down at all.
+    trials = [_trial("g", 0, [1.0]), _trial("g", 1, [0.0])]
+    zeros = lambda p, c: [np.zeros(len(x)) for x in c]   # noqa: E731
+    raw = build_samples(trials, TrainConfig.from_mapping(
+        {"algo": {"estimator": estimator, "advantage": {"whiten": False}}}), value_fn=zeros)
+    white = build_samples(trials, TrainConfig.from_mapping({"algo": {"estimator": estimator}}), value_fn=zeros)
+    flat_raw = np.concatenate([s.advantages for s in raw])
+    flat = np.concatenate([s.advantages for s in white])
+    assert flat_raw.min() >= 0.0
+    assert flat.mean() == pytest.approx(0.0, abs=1e-9) and flat.std() == pytest.approx(1.0, abs=1e-5)
+    np.testing.assert_allclose(flat, (flat_raw - flat_raw.mean()) / flat_raw.std(), atol=1e-5)
+    assert white[-1].advantages.max() < 0.0            # the failed episode now loses probability
+    for r, w in zip(raw, white):
+        np.testing.assert_allclose(w.returns, r.returns)   # the critic's targets stay in reward units
 
 
 def test_config_refuses_typos_and_bad_values():
