@@ -69,13 +69,15 @@ def _turn_sample(turn: Turn, values: np.ndarray, group: str, returns: np.ndarray
 
 
 def _whiten(samples: Sequence[Sample], eps: float) -> None:
-    """Advantages to mean 0 and std 1 over all the samples' tokens, in place (returns untouched)."""
+    """Advantages to mean 0 and std 1 over all the samples' tokens (one group), in place; the
+    returns stay as they are."""
     if not samples:
         return
-    flat = np.concatenate([s.advantages for s in samples])
-    mean, std = float(flat.mean()), float(flat.std())
+    flat = adv.group_normalize(np.concatenate([s.advantages for s in samples]), eps=eps, ddof=0)
+    start = 0
     for s in samples:
-        s.advantages[:] = (s.advantages - mean) / (std + eps)
+        s.advantages[:] = flat[start:start + len(s.advantages)]
+        start += len(s.advantages)
 
 
 ValueFn = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], list[np.ndarray]]
