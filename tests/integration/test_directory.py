@@ -5,6 +5,7 @@ import asyncio
 import collections
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -410,3 +411,49 @@ def test_clients_of_replicas_gone_from_the_directory_are_closed(redis_server):
     finally:
         a.kill()
         b.kill()
+
+
+class HeartbeatHeldDirectory(MemoryDirectory):
+    """Test double: the in-process directory with a switch that holds the next heartbeat in its
+    thread, so a stop can land while that heartbeat is still under way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hold = threading.Event()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def heartbeat(self, info: ReplicaInfo, ttl_seconds: float) -> None:
+        if self.hold.is_set():
+            self.entered.set()
+            self.release.wait(30)
+        super().heartbeat(info, ttl_seconds)
+
+
+def test_a_heartbeat_under_way_at_stop_does_not_register_the_replica_again():
+    """A stop cancels the heartbeat task, but the heartbeat's directory write runs in a thread that
+    goes on: it must not land after the deregistration and list a stopped replica for a TTL."""
+    from envserve.server.app import ReplicaServer
+    from envserve.server.config import ServerConfig
+
+    async def scenario():
+        server = ReplicaServer(ServerConfig(env_ids=["sokoban"], port=0, inline=True, replica_id="held",
+                                            heartbeat_seconds=60))
+        await server.start()
+        directory = HeartbeatHeldDirectory()
+        server.directory = directory
+        assert await server._beat()
+        assert [r.replica_id for r in directory.replicas()] == ["held"]
+        directory.hold.set()
+        beat = asyncio.ensure_future(server._beat())
+        assert await asyncio.to_thread(directory.entered.wait, 30)
+        stopping = asyncio.ensure_future(server.stop())
+        await asyncio.sleep(0.2)  # the deregistration waits for the heartbeat under way
+        directory.release.set()
+        await stopping
+        await beat  # it wrote its record, then the deregistration removed it
+        assert directory.replicas() == []
+        assert await server._beat() is False  # later beats write nothing either
+        assert directory.replicas() == []
+
+    asyncio.run(scenario())

@@ -5,6 +5,7 @@ import asyncio
 import logging
 import signal
 import sys
+import threading
 import time
 
 import grpc
@@ -73,6 +74,10 @@ class ReplicaServer:
         self.directory: Directory | None = None
         self.started_unix = time.time()
         self._heartbeat: asyncio.Task | None = None
+        # Directory writes run in threads that outlive a cancelled await: the lock and the flag keep
+        # a heartbeat already under way from rewriting the record after deregistration removed it.
+        self._directory_lock = threading.Lock()
+        self._deregistered = False
         self._stopped = asyncio.Event()
         self.openenv = None  # the OpenEnv endpoint, with --openenv-port
         self._openenv_endpoint = openenv_endpoint
@@ -122,12 +127,23 @@ class ReplicaServer:
 
     async def _beat(self) -> bool:
         try:
-            await asyncio.to_thread(self.directory.heartbeat, self.replica_info(),
-                                    2 * self.config.heartbeat_seconds)
-            return True
+            return await asyncio.to_thread(self._write_heartbeat, self.replica_info(),
+                                           2 * self.config.heartbeat_seconds)
         except DirectoryUnavailable as e:
             log.warning("directory heartbeat failed (will retry): %s", e)
             return False
+
+    def _write_heartbeat(self, info: ReplicaInfo, ttl_seconds: float) -> bool:
+        with self._directory_lock:
+            if self._deregistered:
+                return False
+            self.directory.heartbeat(info, ttl_seconds)
+            return True
+
+    def _deregister(self) -> None:
+        with self._directory_lock:
+            self._deregistered = True
+            self.directory.deregister(self.replica.replica_id)
 
     async def _heartbeat_loop(self) -> None:
         # Heartbeats rewrite the whole record, so a restarted Redis is whole again after one period.
@@ -199,7 +215,7 @@ class ReplicaServer:
             self._heartbeat.cancel()
         if self.directory is not None:
             try:
-                await asyncio.wait_for(asyncio.to_thread(self.directory.deregister, self.replica.replica_id), 3)
+                await asyncio.wait_for(asyncio.to_thread(self._deregister), 3)
             except Exception as e:  # the TTL removes it anyway
                 log.warning("deregister failed: %s", e)
         if self.openenv is not None:
