@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from envserve.client import AsyncJudgeClient, EnvClient, JudgeClient, JudgeTask
+from envserve.client.judge import new_scope
 from envserve.client.errors import EnvServeError
 from serverproc import JudgeProcess, ServerProcess
 
@@ -179,6 +180,28 @@ def test_repetition_penalty_for_a_frequent_low_score(client, judge):
     for i in range(2):  # frequent too, but above the 0.7 threshold
         assert res[f"good{i}"].score == 1.0 and not res[f"good{i}"].repetition_penalized
     assert res["once"].score == 0.0 and not res["once"].repetition_penalized  # wrong, but said once
+
+
+def test_repetition_counts_are_kept_per_scope(client, judge):
+    # A training run's counts are its own: what an evaluation or another run sends to the same judge
+    # (another scope) neither adds to them nor reads them.
+    sids = [opened(client, "frozenlake", 3) for _ in range(3)]
+    stock = "The goal is above me and to my left."     # wrong at the reset of seed 3: F1 0
+    run, evaluation = new_scope("train"), new_scope("eval")
+    assert run != evaluation
+
+    def judged(scope: str, n: int, tag: str) -> list:
+        with JudgeClient(judge.address) as jc:
+            res = by_key(jc.judge([JudgeTask(f"{tag}{i}", s, 0, "grounding", stock, scope=scope)
+                                   for i, s in enumerate(sids[:n])]))
+        return [res[f"{tag}{i}"] for i in range(n)]
+
+    assert all(r.repetition_penalized and r.score == pytest.approx(-0.1) for r in judged(evaluation, 3, "e"))
+    # Said once in the run's scope: not frequent there, whatever the evaluation repeated.
+    (first,) = judged(run, 1, "r")
+    assert first.raw_score == 0.0 and first.score == 0.0 and not first.repetition_penalized
+    # The run's own repeats do count.
+    assert all(r.repetition_penalized for r in judged(run, 2, "s"))
 
 
 def test_async_submit_never_waits_and_every_result_arrives(client, judge):

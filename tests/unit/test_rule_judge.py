@@ -486,6 +486,21 @@ def test_repetition_penalty_on_frequent_low_scores(soko1):
     assert fresh.apply(GROUNDING, stock, 0.0) == (-0.1, True)
 
 
+def test_repetition_counts_per_scope_and_the_least_recently_used_scope_goes_first():
+    rep = RepetitionPenalty(JudgeConfig(repetition_top_k=1, repetition_max_scopes=2))
+    stock = "The box is above the player."
+    rep.observe(GROUNDING, [stock, stock], scope="run-a")
+    assert rep.apply(GROUNDING, stock, 0.0, scope="run-a") == (-0.1, True)
+    # another scope, and the shared one, have not seen it
+    assert rep.apply(GROUNDING, stock, 0.0, scope="run-b") == (0.0, False)
+    assert rep.apply(GROUNDING, stock, 0.0) == (0.0, False)
+    assert rep.scopes == ["run-b", ""]                    # two kept: run-a, the oldest, went
+    rep.observe(GROUNDING, [stock], scope="run-a")        # a forgotten scope starts again from 0
+    assert rep.apply(GROUNDING, stock, 0.0, scope="run-a") == (0.0, False)
+    with pytest.raises(ValueError, match="repetition_max_scopes"):
+        JudgeConfig(repetition_max_scopes=0)
+
+
 # -- reward assembly and config ----------------------------------------------------------------------------
 def test_reasoning_reward():
     r = reasoning_reward(1.0, 0.5)

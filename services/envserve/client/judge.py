@@ -6,6 +6,7 @@ results arrive on their own task, so stepping never waits for the judge.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterable, Sequence
 
@@ -40,6 +41,11 @@ def reasoning_reward(grounding: float | None, world_modeling: float | None, beta
     return ReasoningReward(sum(components.values()), components)
 
 
+def new_scope(label: str = "run") -> str:
+    """A fresh JudgeTask.scope: one run's repetition counts, apart from every other caller's."""
+    return f"{label}-{uuid.uuid4().hex[:12]}"
+
+
 @dataclass(frozen=True)
 class JudgeTask:
     """One text to judge. `turn` is the turn of the observation the agent answered."""
@@ -51,10 +57,11 @@ class JudgeTask:
     episode: int | None = None
     env_id: str = ""
     trial: int | None = None      # StepResult.trial: set it when the session may move to a new task first
+    scope: str = ""               # whose repetition counts it joins: one per training run ("": shared)
 
     def to_proto(self) -> pb.JudgeItem:
         item = pb.JudgeItem(key=self.key, session_id=self.session_id, turn=self.turn, field=self.field,
-                            text=self.text, env_id=self.env_id)
+                            text=self.text, env_id=self.env_id, scope=self.scope)
         if self.episode is not None:
             item.episode = self.episode
         if self.trial is not None:

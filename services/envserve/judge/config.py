@@ -50,13 +50,18 @@ class JudgeConfig(Settings):
     # every one of them would otherwise be in the top k).
     repetition_min_count: int = 2
     repetition_penalty: float = -0.1
+    # Counts are kept per scope (JudgeItem.scope: one training run's); the least recently used
+    # scope is forgotten past this many.
+    repetition_max_scopes: int = 256
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.f1_threshold <= 1.0:
             raise ValueError(f"f1_threshold must be in [0, 1], got {self.f1_threshold}")
         if self.coordinate_tolerance_mm < 0 or self.distance_tolerance_m < 0:
             raise ValueError("tolerances must not be negative")
-        if self.repetition_top_k < 0 or self.repetition_max_tracked < 1 or self.repetition_min_count < 1:
-            raise ValueError("repetition_top_k >= 0, repetition_max_tracked >= 1 and repetition_min_count >= 1")
+        if (self.repetition_top_k < 0 or self.repetition_max_tracked < 1 or self.repetition_min_count < 1
+                or self.repetition_max_scopes < 1):
+            raise ValueError("repetition_top_k >= 0, repetition_max_tracked >= 1, repetition_min_count >= 1 "
+                             "and repetition_max_scopes >= 1")
         if self.repetition_max_tracked < self.repetition_top_k:
             raise ValueError("repetition_max_tracked must be at least repetition_top_k")

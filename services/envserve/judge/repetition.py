@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import re
+from collections import OrderedDict
 from typing import Iterable
 
 from .config import JudgeConfig
@@ -89,27 +90,42 @@ class RepetitionTracker:
 
 
 class RepetitionPenalty:
-    """One tracker per judged field, and the rule that turns a frequent low score into the penalty."""
+    """One tracker per scope and judged field, and the rule that turns a frequent low score into
+    the penalty. A scope is one caller's counts (a training run's): VAGEN counts within a run, and
+    a judge serving several runs and evaluations must not let one's stock sentence penalise another.
+    At most `repetition_max_scopes` scopes are kept; the least recently used goes first."""
 
     def __init__(self, config: JudgeConfig | None = None):
         self.config = config or JudgeConfig()
-        self._trackers: dict[str, RepetitionTracker] = {}
+        self._trackers: OrderedDict[str, dict[str, RepetitionTracker]] = OrderedDict()
 
-    def tracker(self, field_name: str) -> RepetitionTracker:
-        t = self._trackers.get(field_name)
+    def tracker(self, field_name: str, scope: str = "") -> RepetitionTracker:
+        fields = self._trackers.get(scope)
+        if fields is None:
+            fields = self._trackers[scope] = {}
+            while len(self._trackers) > self.config.repetition_max_scopes:
+                self._trackers.popitem(last=False)
+        else:
+            self._trackers.move_to_end(scope)
+        t = fields.get(field_name)
         if t is None:
             c = self.config
-            t = self._trackers[field_name] = RepetitionTracker(c.repetition_top_k, c.repetition_max_tracked,
-                                                               c.repetition_min_count)
+            t = fields[field_name] = RepetitionTracker(c.repetition_top_k, c.repetition_max_tracked,
+                                                       c.repetition_min_count)
         return t
 
-    def observe(self, field_name: str, texts: Iterable[str]) -> None:
-        """Count a batch of responses before scoring them (VAGEN counts the whole batch first)."""
-        self.tracker(field_name).add_all(texts)
+    @property
+    def scopes(self) -> list[str]:
+        """The scopes kept, least recently used first."""
+        return list(self._trackers)
 
-    def apply(self, field_name: str, text: str, f1: float) -> tuple[float, bool]:
-        """(score, penalized): the penalty when `text` is frequent and f1 is below the threshold,
-        else f1. `text` must have been observed already."""
-        if f1 < self.config.f1_threshold and self.tracker(field_name).is_frequent(text):
+    def observe(self, field_name: str, texts: Iterable[str], scope: str = "") -> None:
+        """Count a batch of responses before scoring them (VAGEN counts the whole batch first)."""
+        self.tracker(field_name, scope).add_all(texts)
+
+    def apply(self, field_name: str, text: str, f1: float, scope: str = "") -> tuple[float, bool]:
+        """(score, penalized): the penalty when `text` is frequent in its scope and f1 is below the
+        threshold, else f1. `text` must have been observed already."""
+        if f1 < self.config.f1_threshold and self.tracker(field_name, scope).is_frequent(text):
             return self.config.repetition_penalty, True
         return f1, False

@@ -197,7 +197,7 @@ class JudgeCore:
     def observe(self, prepared: list[_Prepared]) -> None:
         for p in prepared:
             if p.judged is not None:
-                self.repetition.observe(_tracker_key(p), [p.item.text])
+                self.repetition.observe(_tracker_key(p), [p.item.text], p.item.scope)
 
     async def score(self, p: _Prepared) -> pb.JudgeResult:
         if p.error is not None:
@@ -220,7 +220,7 @@ class JudgeCore:
         if "parse_error" in j.details:  # the judge model misbehaved, not the agent: no penalty on top
             score, penalized = j.score, False
         else:
-            score, penalized = self.repetition.apply(_tracker_key(p), item.text, j.score)
+            score, penalized = self.repetition.apply(_tracker_key(p), item.text, j.score, item.scope)
         if penalized:
             self.metrics.penalized.labels(item.field).inc()
         self.metrics.items.labels(j.judge, item.field, "OK").inc()

@@ -424,7 +424,7 @@ class ListSessionsResponse(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., sessions: _Optional[_Iterable[_Union[SessionSummary, _Mapping]]] = ..., total: _Optional[int] = ...) -> None: ...
 
 class JudgeItem(_message.Message):
-    __slots__ = ("key", "session_id", "turn", "episode", "field", "text", "env_id", "trial")
+    __slots__ = ("key", "session_id", "turn", "episode", "field", "text", "env_id", "trial", "scope")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_FIELD_NUMBER: _ClassVar[int]
@@ -433,6 +433,7 @@ class JudgeItem(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     ENV_ID_FIELD_NUMBER: _ClassVar[int]
     TRIAL_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
     key: str
     session_id: str
     turn: int
@@ -441,7 +442,8 @@ class JudgeItem(_message.Message):
     text: str
     env_id: str
     trial: int
-    def __init__(self, key: _Optional[str] = ..., session_id: _Optional[str] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ..., field: _Optional[str] = ..., text: _Optional[str] = ..., env_id: _Optional[str] = ..., trial: _Optional[int] = ...) -> None: ...
+    scope: str
+    def __init__(self, key: _Optional[str] = ..., session_id: _Optional[str] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ..., field: _Optional[str] = ..., text: _Optional[str] = ..., env_id: _Optional[str] = ..., trial: _Optional[int] = ..., scope: _Optional[str] = ...) -> None: ...
 
 class JudgeRequest(_message.Message):
     __slots__ = ("items",)
