@@ -86,12 +86,14 @@ async def play(cfg, policy, conn, temperature: float, samples: int) -> tuple[dic
     <observation> while the sessions are open (it reads their states through the replica)."""
     from envserve_trainer.evaluation import summarize
     from envserve_trainer.rollout import RolloutEngine
+    from envserve.client.judge import new_scope
     from envserve_trainer.train import eval_task_sets, judge_trials
     client, judge = conn.env_client(), conn.judge_client()
     engine = RolloutEngine(client, policy, policy.tokenizer, cfg, seed=cfg.run.seed)
     try:
         trials = await engine.collect(eval_task_sets(cfg)["held_out"], samples, iteration=-1, temperature=temperature)
-        await judge_trials(judge, trials, cfg.env.env_id)
+        # Its own scope: an evaluation neither adds to a training run's repetition counts nor reads them.
+        await judge_trials(judge, trials, cfg.env.env_id, new_scope("eval"))
     finally:
         await engine.close()
         await client.close()

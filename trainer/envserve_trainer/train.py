@@ -149,9 +149,11 @@ def eval_task_sets(cfg: TrainConfig) -> dict[str, list[Task]]:
     return sets
 
 
-async def judge_trials(judge, trials: Sequence[Trial], env_id: str) -> int:
+async def judge_trials(judge, trials: Sequence[Trial], env_id: str, scope: str) -> int:
     """Asks the judge service for grounding and world-modelling scores of every turn that gave them;
-    returns how many items came back scored. A failed item leaves its turn unscored."""
+    returns how many items came back scored. A failed item leaves its turn unscored. `scope` names
+    the repetition counts the texts join (one per training run: envserve.client.judge.new_scope), so
+    what else the judge scored, another run or an evaluation, does not change these scores."""
     from envserve.client.judge import JudgeTask
     fields = {"observation": "grounding", "prediction": "world_modeling"}
     items, where = [], {}
@@ -164,7 +166,7 @@ async def judge_trials(judge, trials: Sequence[Trial], env_id: str) -> int:
                         key = f"{ep.session_id}:{ep.env_trial}:{ep.env_episode}:{t.turn}:{field}"
                         items.append(JudgeTask(key=key, session_id=ep.session_id, turn=t.turn, field=field,
                                                text=text, episode=ep.env_episode, env_id=env_id,
-                                               trial=ep.env_trial))
+                                               trial=ep.env_trial, scope=scope))
                         where[key] = (t, field)
     scored = 0
     if items:
@@ -185,6 +187,10 @@ class Trainer:
         self.connection = connection
         self.dist = Dist.from_env(device)
         self.device = self.dist.device(device)
+        # The run's repetition counts on the judge, one scope for all ranks (rank 0's name); a judge
+        # serving other runs and evaluations keeps theirs apart.
+        from envserve.client.judge import new_scope
+        self.judge_scope = self.dist.gather(new_scope("train"))[0]
         seed = cfg.run.seed + self.dist.rank
         random.seed(seed)
         np.random.seed(seed % (2 ** 32))
@@ -268,7 +274,7 @@ class Trainer:
         timing = {"rollout_s": time.monotonic() - t0}
         if judge is not None and self.cfg.algo.use_judge:
             t1 = time.monotonic()
-            timing["judged_items"] = float(await judge_trials(judge, trials, self.cfg.env.env_id))
+            timing["judged_items"] = float(await judge_trials(judge, trials, self.cfg.env.env_id, self.judge_scope))
             timing["judge_s"] = time.monotonic() - t1
         return trials, timing, process
 

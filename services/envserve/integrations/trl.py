@@ -39,7 +39,7 @@ from typing import Any, Callable, Mapping, Sequence, Union
 
 from envserve.client import RecoverySettings
 from envserve.client.experts import fields_answer, needs_observation, needs_prediction, plain_answer, session_settings
-from envserve.client.judge import JudgeClient, JudgeTask, reasoning_reward
+from envserve.client.judge import JudgeClient, JudgeTask, new_scope, reasoning_reward
 
 from ._common import (Endpoint, Session, action_choices, close_quietly, content_blocks, error_text, is_cell_space,
                       pil_images, step_text)
@@ -57,7 +57,7 @@ def environment_factory(address: "str | Sequence[str]", env_id: str, config: Map
                         tools: str = "auto", include_rules: bool = True, timeout: float | None = 60.0,
                         root_certificates: "bytes | str | None" = None, tls: bool = False,
                         judge_address: str | None = None, judge_token: str | None = None,
-                        judge_weight: float = 1.0, stream: bool = True,
+                        judge_weight: float = 1.0, judge_scope: str | None = None, stream: bool = True,
                         recovery: "bool | RecoverySettings" = True) -> type:
     """A class for `GRPOTrainer(environment_factory=...)` whose instances are sessions of `env_id`.
 
@@ -83,6 +83,9 @@ def environment_factory(address: "str | Sequence[str]", env_id: str, config: Map
     judge_weight * mean over the episode's turns of `reasoning_reward(grounding, world_modeling,
     beta_grounding, beta_world_modeling)` with the judge's betas (GetJudgeInfo); a turn without texts,
     or whose judging failed, earns 0. `judge_scores` and `judge_errors` hold the last episode's.
+    judge_scope: whose repetition counts (VAGEN's penalty for a frequent low-scoring text) the
+    factory's texts join; by default one new scope per factory, so another run on the same judge
+    neither adds to nor reads them. Give one name to share counts, e.g. across trainer processes.
     """
     if tools not in ("auto", "act"):
         raise ValueError(f"tools must be 'auto' or 'act', got {tools!r}")
@@ -98,7 +101,7 @@ def environment_factory(address: "str | Sequence[str]", env_id: str, config: Map
         raise ValueError(f"{env_id} accepts action formats {list(spec.action_formats)}, not {action_format!r}")
     settings = session_settings(spec, config)
     judge = (_Judge(lambda: JudgeClient(judge_address, judge_token, root_certificates, tls, timeout),
-                    float(judge_weight)) if judge_address else None)
+                    float(judge_weight), judge_scope or new_scope("trl")) if judge_address else None)
     attrs: dict[str, Any] = dict(
         _pool=pool, _env_id=env_id, _config=dict(config or {}), _action_format=action_format,
         _separator=str(settings["action_separator"]), _rules=spec.system_prompt if include_rules else "",
@@ -132,8 +135,8 @@ class _Judge:
     judge each step's texts while the rollout goes on (TRL calls the tools one rollout at a time).
     The client and threads are made again in a forked process (gRPC channels do not survive fork)."""
 
-    def __init__(self, make_client: Callable[[], JudgeClient], weight: float):
-        self.make_client, self.weight = make_client, weight
+    def __init__(self, make_client: Callable[[], JudgeClient], weight: float, scope: str):
+        self.make_client, self.weight, self.scope = make_client, weight, scope
         self._lock = threading.Lock()
         self._pid, self._client, self._executor = 0, None, None
         config = self.client().info().config   # also: a judge that is not there fails at factory time
@@ -300,7 +303,8 @@ class EnvServeEnvironment:
             if text and text != "-":    # "-": the placeholder of a text the model did not give
                 field = JUDGED_FIELDS[name]
                 tasks.append(JudgeTask(f"{turn}:{field}", self._session.real_id, turn, field, text,
-                                       episode=result.episode, env_id=self._env_id, trial=result.trial))
+                                       episode=result.episode, env_id=self._env_id, trial=result.trial,
+                                       scope=self._judge.scope))
         future = self._judge.submit(tasks) if tasks else None
         self._pending.append((turn, {t.field: t.text for t in tasks}, future))
 
