@@ -470,3 +470,28 @@ def test_close_stops_the_judges_threads_and_a_later_episode_is_judged_again(grid
         for t in threading.enumerate():
             if t.name.startswith("envserve-trl-judge"):
                 t.join()
+
+
+def test_each_factory_counts_repeated_judge_texts_apart_unless_given_one_scope(grid_server, factory, judge):
+    # VAGEN's repetition penalty: a wrong text said again earns -0.1 in place of its F1 of 0. Another
+    # factory on the same judge (another run) starts from no counts; judge_scope= shares them.
+    turns = expert_turns(grid_server.address, 2)
+    stock = "The goal is above me and to my left."        # wrong on every turn of these maps
+
+    def grounding(cls, moves: int) -> list[float]:
+        env = cls()
+        env.reset(seed=2)
+        for direction, _, _ in turns[:moves]:
+            env.move(direction, observation=stock)
+        env.get_reward()
+        assert env.judge_errors == []
+        return [s["grounding"] for s in env.judge_scores]
+
+    first = factory("frozenlake", action_format=JUDGED_FORMAT, judge_address=judge.address)
+    # The steps' texts go to the judge from background threads, in either order: one is the first said.
+    assert sorted(grounding(first, 3)) == [pytest.approx(-0.1), pytest.approx(-0.1), 0.0]
+    other = factory("frozenlake", action_format=JUDGED_FORMAT, judge_address=judge.address)
+    assert grounding(other, 1) == [0.0]
+    shared = factory("frozenlake", action_format=JUDGED_FORMAT, judge_address=judge.address,
+                     judge_scope=first._judge.scope)
+    assert grounding(shared, 1) == [pytest.approx(-0.1)]
