@@ -301,13 +301,15 @@ def test_bad_field_is_invalid_argument(endpoint):
 # -- traffic control ---------------------------------------------------------------------------------------
 def test_rate_limit_spaces_request_starts(endpoint):
     ep = endpoint([], default=YES)
-    judge = judge_for(ep.base_url, requests_per_second=10, max_concurrency=8)
+    judge = judge_for(ep.base_url, requests_per_second=4, max_concurrency=8)
     results = run(judge, *(item(f"text {i}") for i in range(5)))
     assert all(j.verdict for j in results)
+    # one token refilled at 4/s: the 5 starts span 4 intervals of 0.25 s. Both figures below leave one
+    # interval of slack: time spent sending a request counts toward the next token, and the first request
+    # also opens a connection, so it can arrive late. Unlimited, all 5 arrive within milliseconds.
+    assert judge.stats()["rate_limit_wait_s"] >= 3 * 0.25
     t = sorted(r["t"] for r in ep.requests)
-    # one token refilled at 10/s: the 5 starts span at least 4 intervals of 0.1 s
-    assert t[-1] - t[0] >= 0.4 * 0.95
-    assert judge.stats()["rate_limit_wait_s"] >= 0.4 * 0.95
+    assert t[-1] - t[0] >= 3 * 0.25
 
 
 def test_concurrency_limit(endpoint):
