@@ -246,10 +246,12 @@ def run(args, cfg, bench: dict[str, Any], conn, log, started: float) -> dict[str
     out.mkdir(parents=True)
     result: dict[str, Any] = {"env": cfg.env.env_id, "estimator": cfg.algo.estimator, "use_judge": cfg.algo.use_judge,
                               "model": f"{cfg.model.vision} {cfg.model.random_init}", "device": args.device,
-                              "stages": {}}
+                              "stages": {}, "held_out": held_out_set(cfg, bench)}
     samples = int(bench["samples"])
     if args.from_run:
         sft_policy, eval_seconds = reuse_run(Path(args.from_run), result, log)
+        if "sft" not in result["stages"]:
+            eval_seconds = evaluate_again(cfg, sft_policy, conn, args.device, samples, result, log)
         return rl_stages(args, cfg, bench, conn, log, started, result, sft_policy, eval_seconds)
 
     base, processor = build_vision_policy_model(cfg, args.device, conn)
@@ -306,9 +308,16 @@ def run(args, cfg, bench: dict[str, Any], conn, log, started: float) -> dict[str
     return rl_stages(args, cfg, bench, conn, log, started, result, sft_policy, eval_seconds)
 
 
+def held_out_set(cfg, bench: dict[str, Any]) -> dict[str, int]:
+    """What an evaluation plays: the held-out maps and the sampled trials on each."""
+    return {"seed_start": cfg.env.eval_seed_start, "tasks": cfg.env.eval_tasks, "samples": int(bench["samples"])}
+
+
 def reuse_run(prior_dir: Path, result: dict[str, Any], log) -> tuple[str, float]:
     """--from-run: take a finished run's collection, perception, SFT checkpoint and SFT evaluation
-    into `result`, so that only RL runs again (RL settings compared from one SFT policy). Returns the
+    into `result`, so that only RL runs again (RL settings compared from one SFT policy). Where
+    `result["held_out"]` is not the set that run evaluated on (or that run did not record it), its
+    evaluations are left out: the caller scores the SFT policy again (evaluate_again). Returns the
     SFT policy's folder and the time its evaluation took."""
     from envserve_trainer.learner import latest_checkpoint
     from envserve_trainer.train import policy_folder
@@ -331,9 +340,32 @@ def reuse_run(prior_dir: Path, result: dict[str, Any], log) -> tuple[str, float]
     if "ended_minutes" not in sft:
         sft["ended_minutes"] = round(prior_all["summary"]["minutes"] - sum(v["seconds"] for v in rl) / 60, 2)
     result["from_run"] = str(prior_dir)
+    if prior.get("held_out") != result.get("held_out"):
+        # Scores on other maps than this run's would not compare with its RL stages.
+        log(f"from {prior_dir}: it held out {prior.get('held_out')}, this run {result.get('held_out')}")
+        result["stages"] = {}
+        result["blind"] = {k: v for k, v in result.get("blind", {}).items() if k != "greedy_success"}
+        return policy_folder(checkpoint), float(sft["eval_seconds"])
     log(f"from {prior_dir}: SFT ended at {sft['ended_minutes']:.1f} min, greedy "
         f"{result['stages']['sft']['greedy_success']:.2f}; RL starts from {checkpoint.name}")
     return policy_folder(checkpoint), float(sft["eval_seconds"])
+
+
+def evaluate_again(cfg, sft_policy: str, conn, device: str, samples: int, result: dict[str, Any], log) -> float:
+    """The reused SFT policy and the blind plan scored on this run's held-out maps; returns the seconds
+    the SFT evaluation took (each RL seed keeps that much of the budget for its own)."""
+    from envserve.client import EnvClient
+    from envserve_trainer.policy.vision import HFVisionPolicy
+    from envserve_trainer.train import build_vision_policy_model, vision_codec
+    t = time.monotonic()
+    sft_cfg = cfg.with_overrides(model={"path": sft_policy, "random_init": ""})
+    model, processor = build_vision_policy_model(sft_cfg, device, conn)
+    result["stages"]["sft"] = evaluate(sft_cfg, HFVisionPolicy(model, vision_codec(sft_cfg, processor)), conn, samples)
+    seconds = time.monotonic() - t
+    with EnvClient(conn.env_address) as client:
+        result["blind"]["greedy_success"] = blind_success(client, cfg, result["blind"]["plan"])
+    log(f"sft again on {result['held_out']['tasks']} held-out maps ({seconds:.0f} s) {json.dumps(result['stages']['sft'])}")
+    return seconds
 
 
 def rl_stages(args, cfg, bench: dict[str, Any], conn, log, started: float, result: dict[str, Any],

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 import learn_vlm  # noqa: E402
 
 
-def _finished_run(root: Path, sft: dict) -> Path:
+def _finished_run(root: Path, sft: dict, held_out: dict | None = None) -> Path:
     """The files a finished run leaves: summary.json and sft/checkpoint-N/ with its policy/."""
     run = root / "run"
     for step in (8, 16):   # the later checkpoint is the SFT policy RL starts from
@@ -22,6 +22,8 @@ def _finished_run(root: Path, sft: dict) -> Path:
               "stages": {"sft": {"greedy_success": 0.69}, "rl-seed0": {"greedy_success": 0.75}},
               "rl": {"0": {"seconds": 700.0, "iteration_seconds": [60.0] * 10},
                      "1": {"seconds": 660.0, "iteration_seconds": [54.0] * 10}}}
+    if held_out is not None:
+        result["held_out"] = held_out
     (run / "summary.json").write_text(json.dumps({"summary": {"minutes": 40.0}, "result": result}))
     return run
 
@@ -45,6 +47,26 @@ def test_a_reused_run_keeps_the_times_it_recorded(tmp_path):
     result = {"stages": {}}
     _, eval_seconds = learn_vlm.reuse_run(run, result, lambda msg: None)
     assert eval_seconds == 95.0 and result["sft"]["ended_minutes"] == 17.5
+
+
+SIXTEEN = {"seed_start": 10_000, "tasks": 16, "samples": 2}
+
+
+def test_a_reused_run_scored_on_other_maps_leaves_its_scores_out(tmp_path):
+    run = _finished_run(tmp_path, {"steps": 352, "eval_seconds": 95.0, "ended_minutes": 17.5}, held_out=SIXTEEN)
+    same = {"stages": {}, "held_out": dict(SIXTEEN)}
+    learn_vlm.reuse_run(run, same, lambda msg: None)
+    assert same["stages"] == {"sft": {"greedy_success": 0.69}} and same["blind"] == {"greedy_success": 0.44}
+    # 48 maps: the 16-map scores would not compare with RL's, so SFT and the blind plan are scored again
+    more = {"stages": {}, "held_out": {**SIXTEEN, "tasks": 48}}
+    policy, _ = learn_vlm.reuse_run(run, more, lambda msg: None)
+    assert more["stages"] == {} and "greedy_success" not in more["blind"]
+    assert policy == str(run / "sft" / "checkpoint-16" / "policy") and more["sft"]["ended_minutes"] == 17.5
+    # a run that did not record its held-out set is scored again too
+    older = _finished_run(tmp_path / "older", {"steps": 352, "eval_seconds": 95.0, "ended_minutes": 17.5})
+    fresh = {"stages": {}, "held_out": dict(SIXTEEN)}
+    learn_vlm.reuse_run(older, fresh, lambda msg: None)
+    assert fresh["stages"] == {}
 
 
 def test_an_unfinished_run_is_refused(tmp_path):
