@@ -494,7 +494,7 @@ class OpenEnvServer:
 
 def measure(cmd: list[str], procs: dict[str, list[int]], timeout: float) -> dict:
     """Runs one client process; CPU of every process between its 'measuring' and 'measured'."""
-    from openenv_endpoint import cpu_seconds  # psutil, per process
+    from openenv_endpoint import cpu_seconds  # psutil: {role: CPU seconds of its processes}
 
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -505,9 +505,9 @@ def measure(cmd: list[str], procs: dict[str, list[int]], timeout: float) -> dict
         try:
             for line in proc.stdout:
                 if line.startswith("measuring"):
-                    cpu0 = {k: cpu_seconds(v) for k, v in procs.items()}
+                    cpu0 = cpu_seconds(procs)
                 elif line.startswith("measured"):
-                    cpu1 = {k: cpu_seconds(v) for k, v in procs.items()}
+                    cpu1 = cpu_seconds(procs)
                 elif line.startswith("{"):
                     result = json.loads(line)
             proc.wait()
