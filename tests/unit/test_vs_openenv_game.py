@@ -1,5 +1,7 @@
 """The push-box game bench/vs_openenv.py serves on both sides: its script must end an episode
-exactly at its last move, or the bench would count episodes ending off script as errors."""
+exactly at its last move, or the bench would count episodes ending off script as errors. And the
+bench's measurement of one client process: the CPU of every role between the client's markers."""
+import os
 import sys
 from pathlib import Path
 
@@ -38,3 +40,20 @@ def test_reset_and_render():
     rows = game.render().splitlines()
     assert rows[0] == "#" * v.SIZE and rows[1] == "#P...#" and rows[2] == "#.B.T#"
     assert game.move("jump") == (0.0, False, False)
+
+
+def test_measure_reads_cpu_of_every_role_between_the_markers():
+    # the client burns CPU between its markers only; the roles' CPU comes back per role
+    client = ("import time; print('measuring', flush=True); t = time.process_time()\n"
+              "while time.process_time() - t < 0.3: pass\n"
+              "print('measured', flush=True); print('{\"steps\": 1}')")
+    result = v.measure([sys.executable, "-c", client], {"server": [os.getpid()]}, 60)
+    assert result["steps"] == 1
+    assert set(result["cpu_s"]) == {"server", "client"}
+    assert all(isinstance(s, float) and s >= 0 for s in result["cpu_s"].values())
+    assert result["cpu_s"]["client"] >= 0.2
+
+
+def test_measure_reports_a_client_that_gives_no_result():
+    result = v.measure([sys.executable, "-c", "import sys; sys.exit('no game today')"], {}, 60)
+    assert "no game today" in result["failed"]
