@@ -72,7 +72,7 @@ def test_streaming_refuses_foreign_sessions(secured):
 
 
 def test_a_sync_clients_lane_carries_its_token(secured):
-    """A step alone in its process goes on the replica's lane (a blocking stream of its own): the
+    """A step alone in its process goes on the replica's lane (an Interact stream of its own): the
     token travels on it, so the owner's step is answered and another token's is refused."""
     from envserve.client import StreamingClient
     with StreamingClient(secured.address, token=ALICE) as alice, StreamingClient(secured.address, token=BOB) as bob:

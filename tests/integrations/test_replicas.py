@@ -219,10 +219,12 @@ def test_an_env_collected_on_the_loop_thread_is_closed_without_stalling_the_loop
 
 
 # -- fork ------------------------------------------------------------------------------------------
-def fork_scenario(cluster, scenario: str) -> dict:
-    """Runs one of forkproc's scenarios in a fresh interpreter against the cluster."""
+def fork_scenario(cluster, scenario: str, lane_kind: str = "") -> dict:
+    """Runs one of forkproc's scenarios in a fresh interpreter against the cluster (with the sync
+    lanes of lane_kind, where given)."""
+    env = {**os.environ, "ENVSERVE_SYNC_LANE": lane_kind} if lane_kind else None
     proc = subprocess.run([sys.executable, FORKPROC, scenario, cluster.url, *addresses(cluster)],
-                          capture_output=True, text=True, timeout=540)
+                          capture_output=True, text=True, timeout=540, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -235,13 +237,16 @@ def test_a_forked_data_loader_worker_steps_its_own_sessions(cluster):
     assert out["after"] == out["expected"]    # the parent's client is untouched by the child's
 
 
-def test_before_a_fork_no_thread_is_left_inside_grpc(cluster):
+@pytest.mark.parametrize("lane_kind", ["polled", "blocking"])
+def test_before_a_fork_no_thread_is_left_inside_grpc(cluster, lane_kind):
     """What the fork hook leaves the child: no event loop thread and no gRPC poller thread (a fork
-    taken while one runs inside gRPC's core aborted the child on a starved machine); a session
-    whose env the hook's collection finalized is closed once the fork is done."""
-    out = fork_scenario(cluster, "hook")
+    taken while one runs inside gRPC's core aborted the child on a starved machine), no lane's call
+    open; a session whose env the hook's collection finalized is closed once the fork is done."""
+    out = fork_scenario(cluster, "hook", lane_kind)
     assert out["pollers_before"] >= 1, "the scenario needs a live aio channel before the hook runs"
-    assert out["lanes_before"] >= 1 and out["lane_threads_before"] >= 1, "the scenario needs an open lane"
+    assert out["lanes_before"] >= 1, "the scenario needs an open lane"
+    # a blocking-stream lane runs gRPC threads; a polled one none (its caller polls)
+    assert (out["lane_threads_before"] >= 1) == (lane_kind == "blocking"), out
     assert out["pollers_at_fork"] == 0 and out["loop_threads_at_fork"] == 0, out
     assert out["lanes_at_fork"] == 0 and out["lane_threads_at_fork"] == 0, out
     assert out["leftover_closed"] and out["same_after"], out
@@ -329,7 +334,8 @@ def test_openenvs_client_through_the_facade_spreads_sockets_over_every_replica(c
     assert len(rewards) == 9
 
 
-def test_a_step_past_its_deadline_fails_alone_and_the_stream_goes_on():
+@pytest.mark.parametrize("lane_kind", ["polled", "blocking"])
+def test_a_step_past_its_deadline_fails_alone_and_the_stream_goes_on(monkeypatch, lane_kind):
     """A worker stopped (SIGSTOP) mid-episode: the sync step waits its deadline, fails
     DEADLINE_EXCEEDED, and once the worker runs again the next steps are answered: on a new lane
     where the thread stepped alone (the timed-out lane is closed), on the
@@ -337,8 +343,9 @@ def test_a_step_past_its_deadline_fails_alone_and_the_stream_goes_on():
     import os
     import signal
 
-    from envserve.client import EnvServeError, RecoverySettings, StreamingClient
+    from envserve.client import EnvServeError, RecoverySettings, StreamingClient, sync_lane
     from serverproc import ServerProcess
+    monkeypatch.setattr(sync_lane, "KIND", lane_kind)
 
     def stalled(c, sid, worker):
         os.kill(worker, signal.SIGSTOP)
@@ -363,7 +370,8 @@ def test_a_step_past_its_deadline_fails_alone_and_the_stream_goes_on():
             assert r.status.code == 0 and r.turn == 3, r
             assert len(c._lanes) == 1 and c._lanes != lanes
             (old,) = lanes.values()
-            assert old.closed
+            assert old.closed and old.timed_out
+            assert getattr(old, "_due", set()) == set(), "the timed-out call's completions are all taken"
 
             (lane,) = c._lanes.values()
             with lane.busy:  # another thread holds the lane: steps go over the loop's shared stream
@@ -376,10 +384,12 @@ def test_a_step_past_its_deadline_fails_alone_and_the_stream_goes_on():
                 assert c.routed._streams == streams
 
 
-def test_a_lane_never_answers_a_step_with_an_earlier_ones_result():
+@pytest.mark.parametrize("lane_kind", ["polled", "blocking"])
+def test_a_lane_never_answers_a_step_with_an_earlier_ones_result(monkeypatch, lane_kind):
     """An answer left on a lane (its caller interrupted while waiting, as by Ctrl-C) is not the next
     caller's: each step reads the answer to its own item."""
-    from envserve.client import StreamingClient
+    from envserve.client import StreamingClient, sync_lane
+    monkeypatch.setattr(sync_lane, "KIND", lane_kind)
     from envserve.v1 import envserve_pb2 as pb
     from serverproc import ServerProcess
     with ServerProcess(["frozenlake"], workers=1, metrics=False) as server:
@@ -388,8 +398,10 @@ def test_a_lane_never_answers_a_step_with_an_earlier_ones_result():
             c.reset([sid], [0])
             assert c.step([(sid, "<answer>Left</answer>")])[0].turn == 1
             (lane,) = c._lanes.values()
+            kind = sync_lane.PolledLane if lane_kind == "polled" else sync_lane.BlockingStreamLane
+            assert type(lane) is kind, "this grpcio gives the caller-polled lane"
             # A step whose answer no one reads, as an interrupted caller leaves it.
-            lane._requests.put(pb.InteractRequest(items=[pb.InteractItem(
+            lane._send(pb.InteractRequest(items=[pb.InteractItem(
                 tag=10**9, step=pb.StepItem(session_id=sid, action="<answer>Left</answer>"))]))
             r = c.step([(sid, "<answer>Left</answer>")])[0]
             assert r.status.code == 0 and r.turn == 3, r
@@ -425,12 +437,80 @@ def test_a_lane_to_a_replica_gone_for_good_is_closed(redis_server):
         c.close()
 
 
-def test_a_streaming_client_dropped_without_close_closes_its_lanes():
+@pytest.mark.parametrize("lane_kind", ["polled", "blocking"])
+def test_a_caller_interrupted_on_its_lane_leaves_it_usable(monkeypatch, lane_kind):
+    """A signal handler's exception (Ctrl-C's KeyboardInterrupt) ends a step waiting on its lane:
+    that lane is closed, the step still runs on the replica, and the next call reads its own answer
+    on a new lane."""
+    import signal
+
+    from envserve.client import StreamingClient, sync_lane
+    from serverproc import ServerProcess
+    monkeypatch.setattr(sync_lane, "KIND", lane_kind)
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(signum, frame):
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with ServerProcess(["frozenlake"], workers=1, metrics=False) as server:
+            with StreamingClient(server.address) as c:
+                sid = c.open("frozenlake", 1, {"max_turns": 1000})[0]
+                c.reset([sid], [0])
+                assert c.step([(sid, "<answer>Left</answer>")])[0].turn == 1
+                (lane,) = c._lanes.values()
+                (worker,) = server.worker_pids()
+                os.kill(worker, signal.SIGSTOP)  # the answer cannot come while the caller waits
+                try:
+                    signal.setitimer(signal.ITIMER_REAL, 0.5)
+                    with pytest.raises(Interrupted):
+                        c.step([(sid, "<answer>Left</answer>")])
+                finally:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+                    os.kill(worker, signal.SIGCONT)
+                r = c.step([(sid, "<answer>Left</answer>")])[0]
+                assert r.status.code == 0 and r.turn == 3, r
+                assert lane.closed and lane not in sync_lane._OPEN
+                (new,) = c._lanes.values()
+                assert new is not lane and not new.closed
+                assert c.step([(sid, "<answer>Left</answer>")])[0].turn == 4
+                assert list(c._lanes.values()) == [new]
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_grpcio_without_the_polled_call_gets_blocking_stream_lanes(monkeypatch, caplog):
+    """Where the installed grpcio lacks the single-threaded call the polled lane is built on, lanes
+    are gRPC's blocking streams, with a warning, and steps go on as before."""
+    from envserve.client import StreamingClient, sync_lane
+    from serverproc import ServerProcess
+
+    def missing(self, stub, metadata=()):
+        raise AttributeError("'_StreamStreamMultiCallable' object has no attribute '_registered_call_handle'")
+
+    monkeypatch.setattr(sync_lane.PolledLane, "__init__", missing)
+    with ServerProcess(["frozenlake"], workers=1, metrics=False) as server:
+        with StreamingClient(server.address) as c:
+            sid = c.open("frozenlake", 1, {"max_turns": 1000})[0]
+            c.reset([sid], [0])
+            assert [c.step([(sid, "<answer>Left</answer>")])[0].turn for _ in range(3)] == [1, 2, 3]
+            (lane,) = c._lanes.values()
+            assert type(lane) is sync_lane.BlockingStreamLane
+    assert "blocking-stream lane instead of a polled one" in caplog.text
+
+
+@pytest.mark.parametrize("lane_kind", ["polled", "blocking"])
+def test_a_streaming_client_dropped_without_close_closes_its_lanes(monkeypatch, lane_kind):
     """A client no one closed (an adapter's env collected with its trainer) ends its lanes when it
-    is collected: each holds gRPC threads that a later fork would otherwise carry."""
+    is collected: each holds a call inside gRPC (and a blocking stream, gRPC threads) that a later
+    fork would otherwise carry."""
     import gc
 
     from envserve.client import StreamingClient, sync_lane
+    monkeypatch.setattr(sync_lane, "KIND", lane_kind)
     from serverproc import ServerProcess
     with ServerProcess(["frozenlake"], workers=1, metrics=False) as server:
         c = StreamingClient(server.address)
@@ -440,10 +520,14 @@ def test_a_streaming_client_dropped_without_close_closes_its_lanes():
         (lane,) = c._lanes.values()
         threads = list(lane.threads)
         assert not lane.closed and lane in sync_lane._OPEN
-        assert any(t.is_alive() for t in threads), "a lane runs gRPC threads while it is open"
+        if lane_kind == "blocking":
+            assert any(t.is_alive() for t in threads), "a blocking stream runs gRPC threads while it is open"
+        else:
+            assert threads == [] and lane._due, "a polled lane: its caller polls, its batches are out"
         del c
         gc.collect()
         assert lane.closed and lane not in sync_lane._OPEN
+        assert getattr(lane, "_due", set()) == set(), "every completion of the cancelled call is taken"
         for t in threads:
             t.join(60)
         assert not any(t.is_alive() for t in threads)

@@ -11,7 +11,7 @@ several addresses or one) and recovery are the routed client's.
 Fork (PyTorch's DataLoader starts its workers so): gRPC's core cannot be forked while a thread is
 inside it, and the loop's channels always are. So before a fork the process lets the calls in
 flight finish (new ones wait), closes every client's streams and channels and every lane of the
-process (waiting for their gRPC threads) and stops the loop;
+process (cancelling their calls, and waiting for a blocking stream's gRPC threads) and stops the loop;
 parent and child each start a loop again on their next call. Session histories survive the fork,
 so sessions the parent opened can still be stepped, and rebuilt, from either side. Where gRPC's
 asyncio poller still runs at the fork (an asyncio channel or server of the process's own, not this
@@ -464,7 +464,7 @@ class StreamingClient:
             return None
         with _FLIGHT:
             # Only a call alone in the process: where calls overlap, the loop's stream carries them
-            # together in fewer messages (and a lane's gRPC threads would take the loop's CPU).
+            # together in fewer messages (and a lane's polling would take the loop's CPU).
             if _STATE["forking"] or _STATE["in_flight"]:
                 return None  # (when forking, _run waits for the fork, or refuses in the fork hook)
             _STATE["in_flight"] += 1
@@ -508,7 +508,7 @@ class StreamingClient:
             lane = self._lanes.get(key)
             if lane is None or lane.closed:
                 blocking = client.blocking_client(r)  # the routed client's channel to that replica
-                lane = self._lanes[key] = SyncLane(blocking.env, blocking.metadata)
+                lane = self._lanes[key] = sync_lane.open_lane(blocking.env, blocking.metadata)
             return lane
 
     def _close_retired_lanes(self, client: AsyncRoutedClient) -> None:
