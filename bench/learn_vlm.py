@@ -246,7 +246,7 @@ def run(args, cfg, bench: dict[str, Any], conn, log, started: float) -> dict[str
     out.mkdir(parents=True)
     result: dict[str, Any] = {"env": cfg.env.env_id, "estimator": cfg.algo.estimator, "use_judge": cfg.algo.use_judge,
                               "model": f"{cfg.model.vision} {cfg.model.random_init}", "device": args.device,
-                              "stages": {}, "held_out": held_out_set(cfg, bench)}
+                              "cpu": cpu_info(), "stages": {}, "held_out": held_out_set(cfg, bench)}
     samples = int(bench["samples"])
     if args.from_run:
         sft_policy, eval_seconds = reuse_run(Path(args.from_run), result, log)
@@ -306,6 +306,22 @@ def run(args, cfg, bench: dict[str, Any], conn, log, started: float) -> dict[str
     sft_policy = policy_folder(sft.save())
     del sft
     return rl_stages(args, cfg, bench, conn, log, started, result, sft_policy, eval_seconds)
+
+
+def cpu_info() -> dict[str, Any]:
+    """The CPU the weights were trained on: its float kernels (torch's capability) decide the
+    last bits of every update, and a run's scores follow them (docs/trainer.md)."""
+    import platform
+
+    import torch
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return {"model": model, "capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
 def held_out_set(cfg, bench: dict[str, Any]) -> dict[str, int]:
@@ -414,7 +430,7 @@ def summarize(result: dict[str, Any], minutes: float) -> dict[str, Any]:
         return statistics.mean(values) if values else None
     greedy = [v["greedy_success"] for v in rl]
     summary: dict[str, Any] = {"env": result["env"], "model": result["model"], "estimator": result["estimator"],
-                               "device": result["device"], "minutes": round(minutes, 1),
+                               "device": result["device"], "cpu": result.get("cpu"), "minutes": round(minutes, 1),
                                "demos": result["collect"]["episodes"], "sft_steps": result["sft"]["steps"],
                                "sft_caption_samples": result["sft"]["caption_samples"],
                                "sft_loss_first": round(result["sft"]["loss_first"], 4),
