@@ -89,3 +89,37 @@ def test_stream_answers_every_item_at_once():
         assert await pool.call(h, "close", ids) == [True] * 4
         assert h.worker.sessions == {}
     drive(["sokoban"], body)
+
+
+def test_a_close_still_frees_a_session_cycle_made_after_the_startup_objects_are_frozen():
+    """Replicas freeze their startup objects so a Close's full collection is short; what sessions
+    make afterwards is still collected: a closed session's env caught in a reference cycle is gone
+    when the close returns."""
+    import gc
+    import weakref
+
+    from envserve.server.worker import freeze_startup_objects
+    made = []
+
+    class CyclicSokoban(get_env_class("sokoban")):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.me = self  # freed by a collection only
+            made.append(weakref.ref(self))
+
+    register("cyclic_sokoban", CyclicSokoban)
+    frozen_before = gc.get_freeze_count()
+    try:
+        freeze_startup_objects()
+        assert gc.get_freeze_count() > frozen_before
+
+        async def body(pool, h, _):
+            assert (await pool.call(h, "open", ("cyclic_sokoban", {}, "no_think", ["r/c"])))[0] == "ok"
+            await pool.call(h, "batch", [("reset", "r/c", 1, "", "", False)])
+            assert made and made[-1]() is not None
+            assert await pool.call(h, "close", ["r/c"]) == [True]
+            assert made[-1]() is None, "the closed session's env is collected"
+        drive(["cyclic_sokoban"], body)
+    finally:
+        gc.unfreeze()
+        unregister("cyclic_sokoban")

@@ -25,6 +25,7 @@ from .config import ServerConfig
 from .metrics import Metrics
 from .monitor import MonitorService
 from .service import EnvService, Replica, StateService
+from .worker import freeze_startup_objects
 
 log = logging.getLogger("envserve.server")
 SERVICE_NAMES = ("envserve.v1.EnvService", "envserve.v1.StateService", "envserve.v1.MonitorService")
@@ -233,6 +234,7 @@ class ReplicaServer:
 async def serve_forever(config: ServerConfig, ready=None, openenv_endpoint=None) -> None:
     server = ReplicaServer(config, openenv_endpoint)
     await server.start()
+    freeze_startup_objects()  # the front's collections (and an --inline Close's) skip its startup
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: loop.create_task(server.drain_and_stop()))

@@ -28,6 +28,16 @@ def _malloc_trim() -> None:
         pass
 
 
+def freeze_startup_objects() -> None:
+    """Moves every object alive now (modules, classes, the preloaded envs' packages) to the
+    collector's permanent generation. A Close runs a full collection so that closed sessions'
+    cycles are freed and their pages trimmed; after this it scans only what came since (about 0.1
+    ms against 5 to 8 ms for a front's or worker's startup objects, and in an `--inline` front
+    that pause stalls every session)."""
+    gc.collect()
+    gc.freeze()
+
+
 class Worker:
     def __init__(self) -> None:
         self.sessions: dict[str, Session] = {}
@@ -93,6 +103,7 @@ class Worker:
                     s.close()
                 except Exception:
                     traceback.print_exc()
+        s = None  # else the last session closed would outlive the collection
         gc.collect()
         _malloc_trim()
         return found
@@ -174,6 +185,7 @@ def worker_main(requests, replies, preload: list[str]) -> None:
         get_env_class(env_id)  # import heavy packages before the first session
     worker = Worker()
     ops = {name[3:]: getattr(worker, name) for name in dir(worker) if name.startswith("op_")}
+    freeze_startup_objects()
     while True:
         try:
             request_id, op, payload = requests.recv()
