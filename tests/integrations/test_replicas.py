@@ -384,20 +384,27 @@ def test_a_step_past_its_deadline_fails_alone_and_the_stream_goes_on(monkeypatch
                 assert c.routed._streams == streams
 
 
+def one_step_on_a_lane(c) -> tuple:
+    """A session opened, reset and stepped once by a thread alone: that step made its replica's
+    lane. Returns the session and the lane."""
+    sid = c.open("frozenlake", 1, {"max_turns": 1000})[0]
+    c.reset([sid], [0])
+    assert c.step([(sid, "<answer>Left</answer>")])[0].turn == 1
+    (lane,) = c._lanes.values()
+    return sid, lane
+
+
 @pytest.mark.parametrize("lane_kind", ["polled", "blocking"])
 def test_a_lane_never_answers_a_step_with_an_earlier_ones_result(monkeypatch, lane_kind):
     """An answer left on a lane (its caller interrupted while waiting, as by Ctrl-C) is not the next
     caller's: each step reads the answer to its own item."""
     from envserve.client import StreamingClient, sync_lane
-    monkeypatch.setattr(sync_lane, "KIND", lane_kind)
     from envserve.v1 import envserve_pb2 as pb
     from serverproc import ServerProcess
+    monkeypatch.setattr(sync_lane, "KIND", lane_kind)
     with ServerProcess(["frozenlake"], workers=1, metrics=False) as server:
         with StreamingClient(server.address) as c:
-            sid = c.open("frozenlake", 1, {"max_turns": 1000})[0]
-            c.reset([sid], [0])
-            assert c.step([(sid, "<answer>Left</answer>")])[0].turn == 1
-            (lane,) = c._lanes.values()
+            sid, lane = one_step_on_a_lane(c)
             kind = sync_lane.PolledLane if lane_kind == "polled" else sync_lane.BlockingStreamLane
             assert type(lane) is kind, "this grpcio gives the caller-polled lane"
             # A step whose answer no one reads, as an interrupted caller leaves it.
@@ -458,10 +465,7 @@ def test_a_caller_interrupted_on_its_lane_leaves_it_usable(monkeypatch, lane_kin
     try:
         with ServerProcess(["frozenlake"], workers=1, metrics=False) as server:
             with StreamingClient(server.address) as c:
-                sid = c.open("frozenlake", 1, {"max_turns": 1000})[0]
-                c.reset([sid], [0])
-                assert c.step([(sid, "<answer>Left</answer>")])[0].turn == 1
-                (lane,) = c._lanes.values()
+                sid, lane = one_step_on_a_lane(c)
                 (worker,) = server.worker_pids()
                 os.kill(worker, signal.SIGSTOP)  # the answer cannot come while the caller waits
                 try:
@@ -494,10 +498,8 @@ def test_a_grpcio_without_the_polled_call_gets_blocking_stream_lanes(monkeypatch
     monkeypatch.setattr(sync_lane.PolledLane, "__init__", missing)
     with ServerProcess(["frozenlake"], workers=1, metrics=False) as server:
         with StreamingClient(server.address) as c:
-            sid = c.open("frozenlake", 1, {"max_turns": 1000})[0]
-            c.reset([sid], [0])
-            assert [c.step([(sid, "<answer>Left</answer>")])[0].turn for _ in range(3)] == [1, 2, 3]
-            (lane,) = c._lanes.values()
+            sid, lane = one_step_on_a_lane(c)
+            assert [c.step([(sid, "<answer>Left</answer>")])[0].turn for _ in range(2)] == [2, 3]
             assert type(lane) is sync_lane.BlockingStreamLane
     assert "blocking-stream lane instead of a polled one" in caplog.text
 
@@ -510,14 +512,11 @@ def test_a_streaming_client_dropped_without_close_closes_its_lanes(monkeypatch, 
     import gc
 
     from envserve.client import StreamingClient, sync_lane
-    monkeypatch.setattr(sync_lane, "KIND", lane_kind)
     from serverproc import ServerProcess
+    monkeypatch.setattr(sync_lane, "KIND", lane_kind)
     with ServerProcess(["frozenlake"], workers=1, metrics=False) as server:
         c = StreamingClient(server.address)
-        sid = c.open("frozenlake", 1, {"max_turns": 1000})[0]
-        c.reset([sid], [0])
-        assert c.step([(sid, "<answer>Left</answer>")])[0].turn == 1
-        (lane,) = c._lanes.values()
+        _, lane = one_step_on_a_lane(c)
         threads = list(lane.threads)
         assert not lane.closed and lane in sync_lane._OPEN
         if lane_kind == "blocking":
