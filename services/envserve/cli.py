@@ -20,6 +20,10 @@ def _server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--lone-reply-wait-us", type=float, default=float(os.environ.get("ENVSERVE_LONE_REPLY_WAIT_US", "300")),
                    help="while one caller steps alone, the front polls for each step's reply from its worker this "
                         "many microseconds before it sleeps (0: never) [$ENVSERVE_LONE_REPLY_WAIT_US]")
+    p.add_argument("--lone-request-wait-us", type=float,
+                   default=float(os.environ.get("ENVSERVE_LONE_REQUEST_WAIT_US", "1000")),
+                   help="while one caller steps alone, a worker that answered its step polls for the next one "
+                        "this many microseconds before it sleeps (0: never) [$ENVSERVE_LONE_REQUEST_WAIT_US]")
     p.add_argument("--max-sessions", type=int, default=10_000)
     p.add_argument("--lease-seconds", type=float, default=300.0)
     p.add_argument("--metrics-port", type=int, default=-1, help="Prometheus port (-1: off, 0: any free port)")
@@ -61,6 +65,7 @@ def _config(args, env_ids):
     from envserve.server.config import ServerConfig
     return ServerConfig(env_ids=list(env_ids), host=args.host, port=args.port, workers=args.workers,
                         inline=args.inline, lone_reply_wait_seconds=args.lone_reply_wait_us / 1e6,
+                        lone_request_wait_seconds=args.lone_request_wait_us / 1e6,
                         max_sessions=args.max_sessions, lease_seconds=args.lease_seconds,
                         metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                         drain_timeout_seconds=args.drain_timeout, migrate_on_drain=args.migrate_on_drain,

@@ -19,6 +19,9 @@ class ServerConfig:
     # While one caller steps alone, the front polls its worker's reply pipe this long for each
     # step's reply before it sleeps (0: never): the reply then costs no wake-up of the front.
     lone_reply_wait_seconds: float = 0.0003
+    # ... and a worker that answered such a step polls this long for the caller's next one before
+    # it sleeps (0: never): the next request then costs no wake-up of the worker.
+    lone_request_wait_seconds: float = 0.001
     max_sessions: int = 10_000
     max_open_per_call: int = 4096
     lease_seconds: float = 300.0

@@ -3,7 +3,9 @@
 Each worker has a request pipe written without blocking and a reply pipe read on the event
 loop (add_reader). While one caller steps alone, each step the only request out, the front
 polls the pipe for its reply for a fraction of a millisecond (WorkerPool.lone_reply_wait_s)
-instead of sleeping in the loop: a serial caller pays no wake-up of the front for the reply.
+instead of sleeping in the loop, and the step's request tells its worker to poll for the
+caller's next one (lone_request_wait_s, worker.NextRequestWait): a serial caller pays no
+wake-up of either process.
 When a worker dies, its pending requests fail with WorkerLost, its sessions are reported lost,
 and a new worker takes its slot.
 """
@@ -148,7 +150,7 @@ class WorkerPool:
     """`size` worker processes, or with `inline` one InlineWorker in this process."""
 
     def __init__(self, size: int, preload: list[str], on_death: Callable[[WorkerHandle], None],
-                 inline: bool = False, lone_reply_wait_s: float = 0.0):
+                 inline: bool = False, lone_reply_wait_s: float = 0.0, lone_request_wait_s: float = 0.0):
         # forkserver: workers start from a clean process, not a fork of the gRPC front
         # (forking a process with gRPC threads or a GL context can hang).
         try:
@@ -166,6 +168,7 @@ class WorkerPool:
         self.closing = False
         self.inline = inline
         self.lone_reply_wait_s = lone_reply_wait_s
+        self.lone_request_wait_s = lone_request_wait_s
         # Lone replies still to come before polling is tried again after one outlasted the wait.
         self._lone_wait_skips = 0
         self._lone_streak = 0  # steps in a row sent with no other request out
@@ -252,8 +255,9 @@ class WorkerPool:
             fut.set_result(h.run(op, payload))
             return fut
         request_id = next(self._ids)
+        wait_s = self._next_request_wait() if op == "batch" else 0.0
         h.pending[request_id] = (fut, None)
-        h.send((request_id, op, payload))
+        h.send((request_id, op, payload, wait_s))
         if op == "batch":
             self._schedule_lone_wait()
         return fut
@@ -268,9 +272,18 @@ class WorkerPool:
             on_item(h.run("stream", items))
             return
         request_id = next(self._ids)
+        wait_s = self._next_request_wait()
         h.pending[request_id] = (on_item, [len(items)])
-        h.send((request_id, "stream", items))
+        h.send((request_id, "stream", items, wait_s))
         self._schedule_lone_wait()
+
+    def _next_request_wait(self) -> float:
+        """How long the worker of a step about to go out should poll for the next request after
+        answering it: lone_request_wait_s while one caller steps serially (the LONE_STREAK steps
+        before this one went out alone, and no request is out now), else 0 (it sleeps in its read)."""
+        if self._lone_streak < LONE_STREAK or self.lone_request_wait_s <= 0:
+            return 0.0
+        return 0.0 if any(w.pending for w in self.workers) else self.lone_request_wait_s
 
     def _schedule_lone_wait(self) -> None:
         # On the loop's next turn: every caller that was ready on this one has sent its steps

@@ -63,7 +63,8 @@ class Replica:
         self.moved: dict[str, str] = {}
         self.moving = False
         self.pool = WorkerPool(config.resolved_workers(), self.env_ids, self._on_worker_death, inline=config.inline,
-                                lone_reply_wait_s=config.lone_reply_wait_seconds)
+                                lone_reply_wait_s=config.lone_reply_wait_seconds,
+                                lone_request_wait_s=config.lone_request_wait_seconds)
         self.draining = False
         self.in_flight = 0
         self._idle = asyncio.Event()
