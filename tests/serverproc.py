@@ -4,11 +4,14 @@ from __future__ import annotations
 import collections
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import weakref
 
 import grpc
 import psutil
@@ -69,7 +72,13 @@ def start_cli(args, line_pattern: re.Pattern, env_vars=None, what="server"):
     Returns (process, match, output lines); the rest of the output keeps being collected."""
     cmd = [sys.executable, "-u", "-m", "envserve.cli", *args]
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_vars or {}))
+    # Its own temporary folder, removed once the process object goes: a replica killed with SIGKILL
+    # (as tests do, to play a crash) cannot remove its multiprocessing forkserver's pymp-* folder.
+    tmp = tempfile.mkdtemp(prefix="envserve-cli-")
+    if "TMPDIR" not in (env_vars or {}):
+        env["TMPDIR"] = tmp
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    weakref.finalize(proc, shutil.rmtree, tmp, True)
     output: list[str] = []
     deadline = time.time() + 120
     while time.time() < deadline:
