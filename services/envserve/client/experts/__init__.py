@@ -18,7 +18,7 @@ from .answers import (FORMATS, answer_text, fields_answer, meta_tag, needs_obser
 from .base import CONTINUE, EXPLORE, PLAN, REFLECT, Expert, Move, Truth, relation_text, session_settings
 from .embodied import NavigationExpert, PrimitiveSkillExpert, agent_frame_offsets, plan_turn
 from .grid import (FrozenLakeExpert, FrozenLakeNeighbourExpert, MinesweeperExpert, SokobanExpert,
-                   deduce_minesweeper, mine_probabilities, plan_frozenlake, plan_sokoban)
+                   deduce_minesweeper, mine_probabilities, neighbour_move, plan_frozenlake, plan_sokoban)
 from .play import ExpertEpisode, ExpertTurn, expert_for, look_ahead, play_expert
 from .shop import WebShopExpert
 from .text import AlfWorldExpert, ScienceWorldExpert
@@ -36,5 +36,5 @@ __all__ = [
     "SokobanExpert", "FrozenLakeExpert", "FrozenLakeNeighbourExpert", "MinesweeperExpert", "AlfWorldExpert",
     "ScienceWorldExpert",
     "NavigationExpert", "PrimitiveSkillExpert", "WebShopExpert", "plan_sokoban", "plan_frozenlake", "deduce_minesweeper",
-    "mine_probabilities", "plan_turn", "agent_frame_offsets",
+    "mine_probabilities", "neighbour_move", "plan_turn", "agent_frame_offsets",
 ]

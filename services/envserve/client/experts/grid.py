@@ -105,6 +105,19 @@ NEIGHBOUR_ORDER = ("Down", "Right", "Left", "Up")
 AROUND = {"Down": "below me", "Right": "right of me", "Left": "left of me", "Up": "above me"}
 
 
+def neighbour_move(around: Mapping[str, str], back: str | None = None) -> tuple[str, str]:
+    """(move, why) the neighbour rule picks from what lies each way (move -> "ice", "a hole", "the
+    goal" or "the edge"; a move missing counts as unsafe), `back` being the move that returns to the
+    cell the player came from. The rule reads nothing else, so an answer's own stated surroundings
+    give the move it should make."""
+    safe = [m for m in NEIGHBOUR_ORDER if around.get(m) in ("ice", "the goal")]
+    onward = [m for m in safe if m != back]
+    move = (onward or safe or ["Up"])[0]
+    why = ("nothing around me is safe" if not safe else
+           f"the way on is {move}" if onward else "only going back is safe")
+    return move, why
+
+
 class FrozenLakeNeighbourExpert(FrozenLakeExpert):
     """One move a turn, chosen from the four cells around the player alone: Down when the cell below
     is ice or the goal, else Right, else Left, else Up, never back to the cell it came from while
@@ -142,11 +155,8 @@ class FrozenLakeNeighbourExpert(FrozenLakeExpert):
 
     def act(self, truth: Truth, max_actions: int) -> Move:
         target, seen = self._around(truth.state)
-        safe = [m for m in NEIGHBOUR_ORDER if seen(m) in ("ice", "the goal")]
-        onward = [m for m in safe if target(m) != self._came_from]
-        move = (onward or safe or ["Up"])[0]
-        why = ("nothing around me is safe" if not safe else
-               f"the way on is {move}" if onward else "only going back is safe")
+        back = next((m for m in NEIGHBOUR_ORDER if target(m) == self._came_from), None)
+        move, why = neighbour_move({m: seen(m) for m in NEIGHBOUR_ORDER}, back)
         self._came_from = cell(truth.state["player"])
         return Move([move], f"{self.surroundings(truth.state)}; {why}, so I move {move}.",
                     PLAN if truth.turn == 0 else CONTINUE)
