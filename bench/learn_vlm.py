@@ -28,8 +28,11 @@ described relations against the true state, passing at its threshold) finds true
 the share whose every relation is right; hole_cells_jaccard, neighbours_accuracy and
 neighbour_holes_found, how well the reasoning locates what the picture shows (the hole cells the
 first answer names; the cells around the player every answer names, and the share of the holes
-among them it calls holes); greedy_distinct_first_answers, how many different first moves the
-held-out maps drew. blind_greedy_success is the reference a policy must beat to
+among them it calls holes); reading_all_right and move_follows_reading, of the turns that name
+all four cells around the player, the share that names them all right and the share whose move is
+the one the neighbour expert's rule picks from the cells as named (a policy can read the picture
+well and still not choose its move from what it read); greedy_distinct_first_answers, how many
+different first moves the held-out maps drew. blind_greedy_success is the reference a policy must beat to
 have read the picture at all: the demonstrations' most common move sequence played on every
 held-out map without looking. With --json the last line is the summary: those figures per stage,
 rl_minus_sft_greedy, the spread over RL seeds and the minutes.
@@ -40,6 +43,7 @@ rl_minus_sft_greedy, the spread over RL seeds and the minutes.
     .venv/bin/python bench/learn_vlm.py --config my.yaml --skip-base --rl-seeds 0  # an RL setting of your own
     .venv/bin/python bench/learn_vlm.py --config my.yaml --from-run runs/learn-vlm --output-dir runs/rl2 --json
                                                       # RL again from that run's SFT checkpoint
+    .venv/bin/python bench/learn_vlm.py --score runs/learn-vlm/sft/checkpoint-352   # a saved policy's figures
 """
 from __future__ import annotations
 
@@ -125,14 +129,22 @@ def board_reading(conn, cfg, episodes: list[tuple[int, list[tuple[str, list[str]
       player's cell followed by replaying the moves;
     neighbour_holes_found: of the holes next to the player that an answer states a fact about, the
       share it calls a hole (most cells are ice, so a policy that never looks scores well on the
-      accuracy and 0 here).
+      accuracy and 0 here);
+    reading_all_right: of the turns whose answer states all four cells around the player, the share
+      that states all four right;
+    move_follows_reading: of those turns, the share whose move is the one the neighbour expert's
+      rule picks from the cells as the answer states them (right or wrong): low means the policy
+      reads the picture but does not choose its move from what it read.
 
     The relation sentences the judge checks barely test this from the corner the player starts in.
     A figure is None when no answer states such facts."""
     from envserve.client import EnvClient
-    from envserve.client.experts import plain_answer
+    from envserve.client.experts import neighbour_move, plain_answer
+    from envserve.client.experts.grid import AROUND, MOVES
+    where_move = {words.removesuffix(" me"): move for move, words in AROUND.items()}
     config = {k: v for k, v in cfg.env.env_config.items() if k not in ("render_image", "image_only")}
     jaccard, named_holes, right, stated, holes_seen, holes_next = 0.0, 0, 0, 0, 0, 0
+    read_whole, read_all_right, followed = 0, 0, 0
     with EnvClient(conn.env_address) as client:
         (sid,) = client.open_sessions(cfg.env.env_id, 1, config, cfg.env.action_format).session_ids
         try:
@@ -145,14 +157,26 @@ def board_reading(conn, cfg, episodes: list[tuple[int, list[tuple[str, list[str]
                     said = {(int(r), int(c)) for r, c in CELL.findall(named.group(1))}
                     named_holes += 1
                     jaccard += len(said & truth) / len(said | truth) if said | truth else 1.0
+                came_from = None
                 for reasoning, moves in turns:
                     rows = text.strip().splitlines()
+                    facts = {}
                     for where, what in NEIGHBOUR.findall(reasoning):
                         true = neighbour(rows, where)
                         stated += 1
                         right += what.lower() == true
                         holes_next += true == "a hole"
                         holes_seen += true == "a hole" == what.lower()
+                        facts[where_move[where.lower()]] = (what.lower(), true)
+                    here = player_cell(rows)
+                    if len(facts) == 4:
+                        read_whole += 1
+                        read_all_right += all(said == true for said, true in facts.values())
+                        back = next((m for m, (dr, dc) in MOVES.items()
+                                     if (here[0] + dr, here[1] + dc) == came_from), None)
+                        rule = neighbour_move({m: said for m, (said, _) in facts.items()}, back)[0]
+                        followed += moves[:1] == [rule]
+                    came_from = here
                     if not moves:
                         break
                     result = client.step([(sid, plain_answer(cfg.env.action_format, moves))])[0]
@@ -163,13 +187,21 @@ def board_reading(conn, cfg, episodes: list[tuple[int, list[tuple[str, list[str]
             client.close_sessions([sid])
     return {"hole_cells_jaccard": jaccard / named_holes if named_holes else None,
             "neighbours_accuracy": right / stated if stated else None,
-            "neighbour_holes_found": holes_seen / holes_next if holes_next else None}
+            "neighbour_holes_found": holes_seen / holes_next if holes_next else None,
+            "reading_all_right": read_all_right / read_whole if read_whole else None,
+            "move_follows_reading": followed / read_whole if read_whole else None}
+
+
+def player_cell(rows: list[str]) -> tuple[int, int]:
+    (r, c), = [(r, row.index("P")) for r, row in enumerate(rows) if "P" in row]
+    return r, c
 
 
 def neighbour(rows: list[str], where: str) -> str:
     """What FrozenLake's text board holds next to the player, in the neighbour expert's words."""
-    (r, c), = [(r, row.index("P")) for r, row in enumerate(rows) if "P" in row]
-    dr, dc = {"below": (1, 0), "right of": (0, 1), "left of": (0, -1), "above": (-1, 0)}[where.lower()]
+    from envserve.client.experts.grid import AROUND, MOVES
+    r, c = player_cell(rows)
+    dr, dc = MOVES[next(move for move, words in AROUND.items() if words == f"{where.lower()} me")]
     r, c = r + dr, c + dc
     if not (0 <= r < len(rows) and 0 <= c < len(rows[r])):
         return "the edge"
@@ -187,6 +219,8 @@ def evaluate(cfg, policy, conn, samples: int) -> dict[str, Any]:
             "grounding_exact": greedy["grounding_exact"], "hole_cells_jaccard": reading.get("hole_cells_jaccard"),
             "neighbours_accuracy": reading.get("neighbours_accuracy"),
             "neighbour_holes_found": reading.get("neighbour_holes_found"),
+            "reading_all_right": reading.get("reading_all_right"),
+            "move_follows_reading": reading.get("move_follows_reading"),
             "greedy_distinct_first_answers": greedy["distinct_first_answers"]}
 
 
@@ -306,6 +340,18 @@ def run(args, cfg, bench: dict[str, Any], conn, log, started: float) -> dict[str
     sft_policy = policy_folder(sft.save())
     del sft
     return rl_stages(args, cfg, bench, conn, log, started, result, sft_policy, eval_seconds)
+
+
+def score(args, cfg, bench: dict[str, Any], conn) -> None:
+    """--score: each saved policy evaluated as a run's stages are, printed as one JSON line."""
+    from envserve_trainer.policy.vision import HFVisionPolicy
+    from envserve_trainer.train import build_vision_policy_model, policy_folder, vision_codec
+    for checkpoint in args.score:
+        scored_cfg = cfg.with_overrides(model={"path": policy_folder(checkpoint), "random_init": ""})
+        model, processor = build_vision_policy_model(scored_cfg, args.device, conn)
+        stage = evaluate(scored_cfg, HFVisionPolicy(model, vision_codec(scored_cfg, processor)), conn,
+                         int(bench["samples"]))
+        print(json.dumps({"checkpoint": checkpoint, "held_out": held_out_set(cfg, bench), **stage}), flush=True)
 
 
 def cpu_info() -> dict[str, Any]:
@@ -451,7 +497,8 @@ def summarize(result: dict[str, Any], minutes: float) -> dict[str, Any]:
         captions = result["perception"].get("captions", {}).get("after", {})
         summary["perception_captions_uncommon_right"] = captions.get("uncommon_phrases_right")
     keys = ("greedy_success", "sampled_success", "invalid_rate", "grounding_accuracy", "grounding_exact",
-            "hole_cells_jaccard", "neighbours_accuracy", "neighbour_holes_found", "greedy_distinct_first_answers")
+            "hole_cells_jaccard", "neighbours_accuracy", "neighbour_holes_found", "reading_all_right",
+            "move_follows_reading", "greedy_distinct_first_answers")
     for stage in [s for s in ("base", "sft") if s in st]:
         for key in keys:
             summary[f"{stage}_{key}"] = st[stage][key]
@@ -483,6 +530,9 @@ def main() -> int:
     ap.add_argument("--from-run", metavar="DIR",
                     help="reuse a finished run's demonstrations, perception and SFT; run RL only (RL settings sweeps)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda: where the weights are built and trained")
+    ap.add_argument("--score", nargs="+", metavar="CHECKPOINT",
+                    help="only evaluate these saved policies (checkpoint-N or policy folders) on the held-out "
+                         "maps, one JSON line each")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
     args = ap.parse_args()
     from serverproc import stop_on_sigterm
@@ -499,6 +549,9 @@ def main() -> int:
 
     with ServerProcess([cfg.env.env_id], workers=1, metrics=False) as server, JudgeProcess(server.address) as judge:
         conn = Connection(env_address=server.address, judge_address=judge.address)
+        if args.score:
+            score(args, cfg, bench, conn)
+            return 0
         result = run(args, cfg, bench, conn, log, started)
     minutes = (time.monotonic() - started) / 60 + result["sft"]["ended_minutes"] * ("from_run" in result)
     summary = summarize(result, minutes)
