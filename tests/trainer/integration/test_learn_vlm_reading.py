@@ -12,7 +12,6 @@ import pytest
 
 from envserve.client import EnvClient
 from envserve.client.experts import FrozenLakeNeighbourExpert, neighbour_move, play_expert
-from serverproc import ServerProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 import learn_vlm  # noqa: E402
@@ -31,9 +30,8 @@ def test_neighbour_move_reads_only_the_cells_it_is_given():
 
 
 @pytest.fixture(scope="module")
-def server():
-    with ServerProcess(["frozenlake"], workers=1, metrics=False) as s:
-        yield s
+def server(grid_server):
+    return grid_server
 
 
 @pytest.fixture(scope="module")
