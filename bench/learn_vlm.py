@@ -501,7 +501,7 @@ def summarize(result: dict[str, Any], minutes: float) -> dict[str, Any]:
             "move_follows_reading", "greedy_distinct_first_answers")
     for stage in [s for s in ("base", "sft") if s in st]:
         for key in keys:
-            summary[f"{stage}_{key}"] = st[stage][key]
+            summary[f"{stage}_{key}"] = st[stage].get(key)   # None where an older run did not report it
     for key in keys:
         summary[f"rl_{key}"] = mean(key)
     summary["rl_greedy_success_by_seed"] = greedy

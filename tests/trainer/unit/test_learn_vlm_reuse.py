@@ -76,3 +76,20 @@ def test_an_unfinished_run_is_refused(tmp_path):
         learn_vlm.reuse_run(run, {"stages": {}}, lambda msg: None)
     with pytest.raises(SystemExit, match="no finished run"):
         learn_vlm.reuse_run(tmp_path / "nowhere", {"stages": {}}, lambda msg: None)
+
+
+def test_a_reused_run_from_before_a_figure_existed_summarizes_it_as_none(tmp_path):
+    """An older run's SFT stage lacks the figures added since; the new run's summary leaves them None."""
+    run = _finished_run(tmp_path, {"steps": 352, "caption_samples": 447, "seconds": 850.0, "loss_first": 6.9,
+                                   "loss_last": 0.05, "eval_seconds": 95.0, "ended_minutes": 17.5}, held_out=SIXTEEN)
+    result = {"env": "frozenlake", "model": "qwen2_vl small", "estimator": "bilevel_gae", "device": "cpu",
+              "stages": {}, "held_out": dict(SIXTEEN)}
+    learn_vlm.reuse_run(run, result, lambda msg: None)
+    del result["perception"]   # the fixture's holds its time only
+    keys = ("sampled_success", "invalid_rate", "grounding_accuracy", "move_follows_reading")
+    new = {"greedy_success": 0.75, **{k: 0.5 for k in keys}}
+    result["stages"]["rl-seed0"] = new
+    result["rl"] = {"0": {"iterations": 1, "seconds": 60.0, "train_success": [0.5], "iteration_seconds": [50.0]}}
+    summary = learn_vlm.summarize(result, 20.0)
+    assert summary["sft_greedy_success"] == 0.69 and summary["sft_move_follows_reading"] is None
+    assert summary["rl_move_follows_reading"] == 0.5 and summary["rl_minus_sft_greedy"] == pytest.approx(0.06)
