@@ -162,12 +162,13 @@ def board_reading(conn, cfg, episodes: list[tuple[int, list[tuple[str, list[str]
                     rows = text.strip().splitlines()
                     facts = {}
                     for where, what in NEIGHBOUR.findall(reasoning):
-                        true = neighbour(rows, where)
+                        move = where_move[where.lower()]
+                        true = neighbour(rows, move)
                         stated += 1
                         right += what.lower() == true
                         holes_next += true == "a hole"
                         holes_seen += true == "a hole" == what.lower()
-                        facts[where_move[where.lower()]] = (what.lower(), true)
+                        facts[move] = (what.lower(), true)
                     here = player_cell(rows)
                     if len(facts) == 4:
                         read_whole += 1
@@ -197,11 +198,11 @@ def player_cell(rows: list[str]) -> tuple[int, int]:
     return r, c
 
 
-def neighbour(rows: list[str], where: str) -> str:
-    """What FrozenLake's text board holds next to the player, in the neighbour expert's words."""
-    from envserve.client.experts.grid import AROUND, MOVES
+def neighbour(rows: list[str], move: str) -> str:
+    """What FrozenLake's text board holds one `move` from the player, in the neighbour expert's words."""
+    from envserve.client.experts.grid import MOVES
     r, c = player_cell(rows)
-    dr, dc = MOVES[next(move for move, words in AROUND.items() if words == f"{where.lower()} me")]
+    dr, dc = MOVES[move]
     r, c = r + dr, c + dc
     if not (0 <= r < len(rows) and 0 <= c < len(rows[r])):
         return "the edge"
@@ -265,7 +266,7 @@ def blind_success(client, cfg, plan: list[str]) -> float:
         client.close_sessions(sids)
 
 
-def run(args, cfg, bench: dict[str, Any], conn, log, started: float) -> dict[str, Any]:
+def run(args, cfg, bench: dict[str, Any], conn, log, started: float, save) -> dict[str, Any]:
     from envserve.client import EnvClient
     from envserve_trainer.collect import collect
     from envserve_trainer.perception import perceive
@@ -286,7 +287,7 @@ def run(args, cfg, bench: dict[str, Any], conn, log, started: float) -> dict[str
         sft_policy, eval_seconds = reuse_run(Path(args.from_run), result, log)
         if "sft" not in result["stages"]:
             eval_seconds = evaluate_again(cfg, sft_policy, conn, args.device, samples, result, log)
-        return rl_stages(args, cfg, bench, conn, log, started, result, sft_policy, eval_seconds)
+        return rl_stages(args, cfg, bench, conn, log, started, result, sft_policy, eval_seconds, save)
 
     base, processor = build_vision_policy_model(cfg, args.device, conn)
     codec = vision_codec(cfg, processor)
@@ -339,7 +340,8 @@ def run(args, cfg, bench: dict[str, Any], conn, log, started: float) -> dict[str
         f"{json.dumps(result['stages']['sft'])}")
     sft_policy = policy_folder(sft.save())
     del sft
-    return rl_stages(args, cfg, bench, conn, log, started, result, sft_policy, eval_seconds)
+    save(result)   # a run stopped during RL can still be reused (--from-run)
+    return rl_stages(args, cfg, bench, conn, log, started, result, sft_policy, eval_seconds, save)
 
 
 def score(args, cfg, bench: dict[str, Any], conn) -> None:
@@ -386,7 +388,8 @@ def reuse_run(prior_dir: Path, result: dict[str, Any], log) -> tuple[str, float]
     summary = prior_dir / "summary.json"
     checkpoint = latest_checkpoint(prior_dir / "sft")
     if not summary.is_file() or checkpoint is None:
-        raise SystemExit(f"--from-run {prior_dir}: no finished run there (summary.json and sft/checkpoint-*)")
+        raise SystemExit(f"--from-run {prior_dir}: no finished run there (summary.json and sft/checkpoint-*; "
+                         "a run writes them when its SFT stage ends)")
     prior_all = json.loads(summary.read_text())
     prior = prior_all["result"]
     for key in ("collect", "blind", "perception", "sft"):
@@ -431,8 +434,9 @@ def evaluate_again(cfg, sft_policy: str, conn, device: str, samples: int, result
 
 
 def rl_stages(args, cfg, bench: dict[str, Any], conn, log, started: float, result: dict[str, Any],
-              sft_policy: str, eval_seconds: float) -> dict[str, Any]:
-    """RL from the SFT policy once per seed, each evaluated; the seeds share what the budget leaves."""
+              sft_policy: str, eval_seconds: float, save) -> dict[str, Any]:
+    """RL from the SFT policy once per seed, each evaluated; the seeds share what the budget leaves.
+    `save(result)` writes the summary so far after each seed."""
     from envserve_trainer.train import Trainer
     out = Path(args.output_dir)
     samples = int(bench["samples"])
@@ -465,7 +469,16 @@ def rl_stages(args, cfg, bench: dict[str, Any], conn, log, started: float, resul
             "iteration_seconds": [round(r["timing"]["iteration_s"], 1) for r in records]}
         log(f"rl seed {seed} ({len(records)} iterations, {result['rl'][str(seed)]['seconds']:.0f} s with its "
             f"evaluation) {json.dumps(stage)}")
+        save(result)
     return result
+
+
+def write_summary(out_dir: Path, result: dict[str, Any], minutes: float) -> dict[str, Any]:
+    """summary.json: the summary and the whole result so far. Written after SFT and after each RL
+    seed, so that a run stopped part way keeps what it finished and --from-run can start from it."""
+    summary = summarize(result, minutes)
+    (out_dir / "summary.json").write_text(json.dumps({"summary": summary, "result": result}, indent=1))
+    return summary
 
 
 def summarize(result: dict[str, Any], minutes: float) -> dict[str, Any]:
@@ -547,16 +560,18 @@ def main() -> int:
     def log(msg: str) -> None:
         print(f"[{(time.monotonic() - started) / 60:5.1f} min] {msg}", flush=True)
 
+    def save(result: dict[str, Any]) -> dict[str, Any]:
+        # A reused run's minutes up to its SFT evaluation count as if they ran here.
+        minutes = (time.monotonic() - started) / 60 + result["sft"]["ended_minutes"] * ("from_run" in result)
+        return write_summary(Path(args.output_dir), result, minutes)
+
     with ServerProcess([cfg.env.env_id], workers=1, metrics=False) as server, JudgeProcess(server.address) as judge:
         conn = Connection(env_address=server.address, judge_address=judge.address)
         if args.score:
             score(args, cfg, bench, conn)
             return 0
-        result = run(args, cfg, bench, conn, log, started)
-    minutes = (time.monotonic() - started) / 60 + result["sft"]["ended_minutes"] * ("from_run" in result)
-    summary = summarize(result, minutes)
-    out_dir = Path(args.output_dir)
-    (out_dir / "summary.json").write_text(json.dumps({"summary": summary, "result": result}, indent=1))
+        result = run(args, cfg, bench, conn, log, started, save)
+    summary = save(result)
     print(table(result))
     if args.json:
         print(json.dumps(summary))

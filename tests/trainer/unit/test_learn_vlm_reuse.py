@@ -93,3 +93,21 @@ def test_a_reused_run_from_before_a_figure_existed_summarizes_it_as_none(tmp_pat
     summary = learn_vlm.summarize(result, 20.0)
     assert summary["sft_greedy_success"] == 0.69 and summary["sft_move_follows_reading"] is None
     assert summary["rl_move_follows_reading"] == 0.5 and summary["rl_minus_sft_greedy"] == pytest.approx(0.06)
+
+
+def test_a_run_stopped_during_rl_can_be_reused(tmp_path):
+    """The summary written when SFT ends is enough for --from-run, before any RL seed has finished."""
+    run = _finished_run(tmp_path, {"steps": 1})
+    (run / "summary.json").unlink()
+    sft = {"steps": 352, "samples": 300, "caption_samples": 447, "seconds": 850.0, "loss_first": 6.9,
+           "loss_last": 0.05, "eval_seconds": 95.0, "ended_minutes": 17.5}
+    stopped = {"env": "frozenlake", "model": "qwen2_vl small", "estimator": "bilevel_gae", "device": "cpu",
+               "collect": {"episodes": 60}, "blind": {"greedy_success": 0.44}, "sft": sft,
+               "stages": {"sft": {"greedy_success": 0.69}}, "held_out": dict(SIXTEEN)}
+    summary = learn_vlm.write_summary(run, stopped, 18.0)
+    assert summary["sft_greedy_success"] == 0.69 and summary["rl_greedy_success"] is None
+    assert summary["rl_iterations"] == {} and summary["rl_minus_sft_greedy"] is None
+    result = {"stages": {}, "held_out": dict(SIXTEEN)}
+    policy, eval_seconds = learn_vlm.reuse_run(run, result, lambda msg: None)
+    assert policy == str(run / "sft" / "checkpoint-16" / "policy") and eval_seconds == 95.0
+    assert result["stages"] == {"sft": {"greedy_success": 0.69}} and result["sft"]["ended_minutes"] == 17.5
