@@ -35,7 +35,9 @@ well and still not choose its move from what it read); greedy_distinct_first_ans
 different first moves the held-out maps drew. blind_greedy_success is the reference a policy must beat to
 have read the picture at all: the demonstrations' most common move sequence played on every
 held-out map without looking. With --json the last line is the summary: those figures per stage,
-rl_minus_sft_greedy, the spread over RL seeds and the minutes.
+rl_minus_sft_greedy, the spread over RL seeds, the held-out set, targets_met (each of
+bench.targets: greedy success after RL, SFT's grounding accuracy, RL's gain above the seed
+spread) and the minutes.
 
     .venv/bin/python bench/learn_vlm.py --output-dir runs/learn-vlm --json       # make learn-vlm
     .venv/bin/python bench/learn_vlm.py --quick --json                           # a few minutes
@@ -281,7 +283,8 @@ def run(args, cfg, bench: dict[str, Any], conn, log, started: float, save) -> di
     out.mkdir(parents=True)
     result: dict[str, Any] = {"env": cfg.env.env_id, "estimator": cfg.algo.estimator, "use_judge": cfg.algo.use_judge,
                               "model": f"{cfg.model.vision} {cfg.model.random_init}", "device": args.device,
-                              "cpu": cpu_info(), "stages": {}, "held_out": held_out_set(cfg, bench)}
+                              "cpu": cpu_info(), "stages": {}, "held_out": held_out_set(cfg, bench),
+                              "targets": dict(bench.get("targets", {}))}
     samples = int(bench["samples"])
     if args.from_run:
         sft_policy, eval_seconds = reuse_run(Path(args.from_run), result, log)
@@ -358,7 +361,7 @@ def score(args, cfg, bench: dict[str, Any], conn) -> None:
 
 def cpu_info() -> dict[str, Any]:
     """The CPU the weights were trained on: its float kernels (torch's capability) decide the
-    last bits of every update, and a run's scores follow them (docs/trainer.md)."""
+    last bits of every update, and a run's scores follow them (docs/learn-vlm.md)."""
     import platform
 
     import torch
@@ -518,8 +521,18 @@ def summarize(result: dict[str, Any], minutes: float) -> dict[str, Any]:
     for key in keys:
         summary[f"rl_{key}"] = mean(key)
     summary["rl_greedy_success_by_seed"] = greedy
-    summary["rl_minus_sft_greedy"] = statistics.mean(greedy) - st["sft"]["greedy_success"] if rl else None
-    summary["rl_seed_spread"] = max(greedy) - min(greedy) if rl else None
+    # Rounded: a difference of two shares of the same maps is a whole number of maps, not 1e-16.
+    gain = round(statistics.mean(greedy) - st["sft"]["greedy_success"], 4) if rl else None
+    spread = round(max(greedy) - min(greedy), 4) if rl else None
+    summary["rl_minus_sft_greedy"] = gain
+    summary["rl_seed_spread"] = spread
+    summary["held_out"] = result.get("held_out")
+    targets = result.get("targets")
+    if targets and rl:
+        summary["targets_met"] = {
+            "greedy_success_after_rl": statistics.mean(greedy) >= targets["greedy_success_after_rl"],
+            "sft_grounding_accuracy": (st["sft"].get("grounding_accuracy") or 0.0) >= targets["sft_grounding_accuracy"],
+            "rl_above_seed_spread": gain > spread}
     return summary
 
 

@@ -111,3 +111,35 @@ def test_a_run_stopped_during_rl_can_be_reused(tmp_path):
     policy, eval_seconds = learn_vlm.reuse_run(run, result, lambda msg: None)
     assert policy == str(run / "sft" / "checkpoint-16" / "policy") and eval_seconds == 95.0
     assert result["stages"] == {"sft": {"greedy_success": 0.69}} and result["sft"]["ended_minutes"] == 17.5
+
+
+def _scored(sft_greedy: float, rl_greedy: list[float], targets: dict | None) -> dict:
+    """A result as a finished run leaves it: an SFT stage and one stage per RL seed."""
+    stages = {"sft": {"greedy_success": sft_greedy, "grounding_accuracy": 0.81}}
+    stages.update({f"rl-seed{i}": {"greedy_success": g} for i, g in enumerate(rl_greedy)})
+    return {"env": "frozenlake", "model": "qwen2_vl small", "estimator": "bilevel_gae", "device": "cpu",
+            "collect": {"episodes": 60}, "blind": {"greedy_success": 0.4},
+            "sft": {"steps": 528, "caption_samples": 447, "seconds": 1200.0, "loss_first": 6.9, "loss_last": 0.01},
+            "stages": stages, "held_out": {"seed_start": 10_000, "tasks": 48, "samples": 1},
+            "rl": {str(i): {"iterations": 15, "iteration_seconds": [55.0]} for i in range(len(rl_greedy))},
+            **({"targets": targets} if targets is not None else {})}
+
+
+TARGETS = {"greedy_success_after_rl": 0.5, "sft_grounding_accuracy": 0.8}
+
+
+def test_the_summary_says_which_targets_the_run_met():
+    # 37 of 48 maps after SFT; 39 and 35 after RL: no gain on average, a spread of 4 maps
+    summary = learn_vlm.summarize(_scored(37 / 48, [39 / 48, 35 / 48], TARGETS), 56.0)
+    assert summary["rl_minus_sft_greedy"] == 0.0 and summary["rl_seed_spread"] == pytest.approx(4 / 48, abs=1e-4)
+    assert summary["held_out"]["tasks"] == 48
+    assert summary["targets_met"] == {"greedy_success_after_rl": True, "sft_grounding_accuracy": True,
+                                      "rl_above_seed_spread": False}
+    # both seeds gain 5 maps: the gain is above a spread of none
+    met = learn_vlm.summarize(_scored(37 / 48, [42 / 48, 42 / 48], TARGETS), 56.0)["targets_met"]
+    assert met["rl_above_seed_spread"] and met["greedy_success_after_rl"]
+    # a weak policy misses the success target
+    assert not learn_vlm.summarize(_scored(0.2, [0.3, 0.3], TARGETS), 56.0)["targets_met"]["greedy_success_after_rl"]
+    # no targets in the config, or no RL stage yet: nothing to check
+    assert "targets_met" not in learn_vlm.summarize(_scored(0.7, [0.8, 0.7], None), 56.0)
+    assert "targets_met" not in learn_vlm.summarize(_scored(0.7, [], TARGETS), 56.0)
