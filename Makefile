@@ -102,7 +102,7 @@ learn: install
 	$(PY) bench/learn_pretrained.py --output-dir runs/learn-pretrained --json
 
 # A small random-weight Qwen2-VL in VAGEN's visual setting (image-only FrozenLake 4x4, the judge's rewards):
-# base -> SFT on expert demonstrations with their pictures -> RL, two RL seeds, on a CPU (docs/trainer.md).
+# base -> SFT on expert demonstrations with their pictures -> RL, two RL seeds, on a CPU (docs/learn-vlm.md).
 learn-vlm: install
 	$(PY) bench/learn_vlm.py --output-dir runs/learn-vlm --json
 

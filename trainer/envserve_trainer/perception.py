@@ -2,7 +2,7 @@
 board from the service's ground truth before SFT.
 
 SFT on expert answers alone does not teach a random vision tower to see: on image-only FrozenLake the
-policy learns the demonstrations' most common path and calls every cell ice (docs/trainer.md). Every
+policy learns the demonstrations' most common path and calls every cell ice (docs/learn-vlm.md). Every
 envserve grid env serves the truth behind each picture (GetState: `grid`, one character a cell), so
 the policy can learn to see from the service itself (config section `perception`):
 

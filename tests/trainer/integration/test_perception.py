@@ -113,7 +113,7 @@ def test_the_language_model_learns_the_experts_captions(perceived):
     before, after = captions["before"], captions["after"]
     # Greedy captions of held-out views, phrase by phrase: none right before, most after. (Whether the
     # uncommon phrases, the holes and the goal beside the player, come out right is the small model's
-    # figure in docs/trainer.md; this tower is too small to see them.)
+    # figure in docs/learn-vlm.md; this tower is too small to see them.)
     assert after["phrases_right"] > 0.5 > before["phrases_right"]
     assert after["uncommon_phrases"] > 20 and before["uncommon_phrases_right"] == 0.0
 
