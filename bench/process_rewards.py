@@ -35,6 +35,7 @@ import json
 import os
 import random
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
@@ -154,9 +155,16 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     results = {}
+    extra = ["--max-sessions", str(2 * max(args.states, args.alfworld_states) + args.max_alive + 16)]
+    if args.alfworld_isolation == "none":
+        # An engine in the worker is the operator's choice (a crash takes the worker's sessions).
+        limits = os.path.join(tempfile.mkdtemp(prefix="envserve-bench-"), "limits.json")
+        with open(limits, "w") as f:
+            json.dump({"alfworld": {"isolation": {"enum": ["process", "none"]}}}, f)
+        extra += ["--config-limits", limits]
     for env_id in args.envs.split(","):
         with ServerProcess([env_id], workers=args.workers, metrics=False,
-                           extra=["--max-sessions", str(2 * max(args.states, args.alfworld_states) + args.max_alive + 16)]) as server:
+                           extra=extra if env_id == "alfworld" else extra[:2]) as server:
             results[env_id] = asyncio.run(run_env(server.address, env_id, args))
     print("| env | way | s | env steps | sessions opened | Fork speed-up |\n|---|---|---|---|---|---|")
     for env_id, r in results.items():

@@ -121,13 +121,47 @@ def judge_prompt(env_id: str, data: dict) -> str:
     return "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in prompt.messages)
 
 
+def _number(value) -> str:
+    return f"{value:,}" if isinstance(value, int) else f"{value:g}"
+
+
+def bounds_text(p: dict) -> str:
+    """A key's bounds as a reader wants them: 5 to 12, at most 16 characters, one of a / b..."""
+    parts = []
+    if "enum" in p:
+        values = ["`" + (json.dumps(v, ensure_ascii=False) if v != "" else '""').replace("|", "/") + "`" for v in p["enum"]]
+        if p["enum"] == [""]:  # a path on the server (core/env.py's SERVER_PATH_BOUNDS)
+            parts.append('only `""` (a path on the server is the operator\'s to allow)')
+        else:
+            parts.append("one of " + ", ".join(values) if len(values) > 1 else f"only {values[0]}")
+    low = ("≥ " + _number(p["minimum"])) if "minimum" in p else ("> " + _number(p["exclusiveMinimum"])) \
+        if "exclusiveMinimum" in p else ""
+    high = ("≤ " + _number(p["maximum"])) if "maximum" in p else ("< " + _number(p["exclusiveMaximum"])) \
+        if "exclusiveMaximum" in p else ""
+    if "minimum" in p and "maximum" in p:
+        parts.append(f"{_number(p['minimum'])} to {_number(p['maximum'])}")
+    elif low or high:
+        parts.append(", ".join(x for x in (low, high) if x))
+    if "multipleOf" in p:
+        parts.append(f"a multiple of {_number(p['multipleOf'])}")
+    if "maxLength" in p:
+        parts.append(f"at most {p['maxLength']:,} characters")
+    if "pattern" in p:
+        parts.append(f"matching `{p['pattern'].replace('|', '/')}`")
+    if "maxProperties" in p:
+        parts.append(f"at most {p['maxProperties']} arguments (numbers, short texts without '/', lists)")
+    if "maxItems" in p:
+        parts.append(f"at most {p['maxItems']} items")
+    return "; ".join(parts)
+
+
 def config_table(schema: dict) -> str:
     props = schema.get("properties", {})
-    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    rows = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
     for key, p in props.items():
         default = json.dumps(p.get("default"), ensure_ascii=False)
         doc = str(p.get("description", "")).replace("|", "\\|").replace("\n", " ")
-        rows.append(f"| `{key}` | {p.get('type', '')} | `{default.replace('|', '/')}` | {doc} |")
+        rows.append(f"| `{key}` | {p.get('type', '')} | `{default.replace('|', '/')}` | {bounds_text(p)} | {doc} |")
     return "\n".join(rows) + "\n"
 
 
@@ -152,8 +186,11 @@ def page(env_id: str, data: dict | None, reason: str = "") -> str:
            f"| replay rebuilds the state exactly | {'yes' if data['replay_exact'] else 'no'} |\n\n",
            "## Splits\n\n"]
     out += [f"- `{s['name']}`: {s['description'] or '-'}\n" for s in data["splits"]]
-    out += ["\n## Config keys\n\nOpen's `config` overrides any of these per session; an unknown key or a value "
-            "of the wrong type is INVALID_ARGUMENT.\n\n", config_table(data["config_schema"]),
+    out += ["\n## Config keys\n\nOpen's `config` overrides any of these per session, within the allowed values; "
+            "an unknown key, a value of the wrong type or one out of bounds is INVALID_ARGUMENT naming the key. "
+            "These are the built-in bounds: a replica's operator may set others (`--config-limits`, see "
+            "[the server](../server.md#config-limits)), and GetSpec returns the ones in force.\n\n",
+            config_table(data["config_schema"]),
             "\n## System prompt\n\nWhat Open returns as `system_prompt` in the default action format "
             f"(`{data['default_action_format']}`):\n\n", fence(data["session_system_prompt"]),
             "\n## First observation (seed 0)\n\n", fence(data["observation"])]

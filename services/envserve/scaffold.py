@@ -107,7 +107,8 @@ ENV = '''
 """{{env_id}}: walk along a row of cells to the goal.
 
 The example shows the parts envserve needs; replace the game with your own:
-- `spec`: what clients see (GetSpec): prompt, action space, turn limits, config keys with defaults, splits.
+- `spec`: what clients see (GetSpec): prompt, action space, turn limits, config keys with defaults and
+  bounds (a caller chooses within them: numbers need a maximum, strings a maxLength or an enum), splits.
 - reset(seed): the same seed gives the same task in any process (draw from random.Random(seed)).
 - step(action): one primitive action (the session has already parsed the model's text); an action
   that is not legal returns valid=False with feedback and changes nothing.
@@ -135,16 +136,18 @@ class {{cls}}(Environment):
         max_turns=20,
         max_actions_per_turn=3,
         config_defaults={"size": 9, "goal_reward": 1.0, "step_reward": 0.0},
-        config_docs={"size": "cells in the row (at least 2)", "goal_reward": "reward for reaching the goal",
+        config_docs={"size": "cells in the row", "goal_reward": "reward for reaching the goal",
                      "step_reward": "reward of every other legal move"},
+        # A value out of bounds is INVALID_ARGUMENT at Open, naming the key, before the env exists.
+        config_bounds={"size": {"minimum": 2, "maximum": 100},
+                       "goal_reward": {"minimum": -100.0, "maximum": 100.0},
+                       "step_reward": {"minimum": -100.0, "maximum": 100.0}},
         splits=seeded_splits("random rows"),
         default_action_format="no_think",
     )
 
     def reset(self, seed, options=None):
         size = int(self.config["size"])
-        if size < 2:
-            raise ValueError(f"size must be at least 2, got {size}")
         rng = random.Random(seed)
         self.size = size
         self.agent = rng.randrange(size)

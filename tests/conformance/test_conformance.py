@@ -41,6 +41,38 @@ def test_spec_is_complete(clients, env_id):
     assert spec.splits
 
 
+def test_schema_bounds_every_key(clients, env_id):
+    """Callers choose within bounds: every number has a maximum, every string a maxLength or an
+    enum (the allowed paths of a key naming a file), every object and list a size, and each
+    default is within its own bounds (else Opens without that key would be refused)."""
+    from jsonschema import Draft202012Validator
+    props = json.loads(clients[0].get_spec(env_id).config_schema_json)["properties"]
+    unbounded = []
+    for key, p in props.items():
+        kind = p.get("type")
+        if kind in ("integer", "number") and not {"maximum", "exclusiveMaximum", "enum"} & set(p):
+            unbounded.append(f"{key} (a number without a maximum)")
+        elif kind == "string" and not {"maxLength", "enum"} & set(p):
+            unbounded.append(f"{key} (a string without maxLength or enum)")
+        elif kind == "object" and "maxProperties" not in p:
+            unbounded.append(f"{key} (an object without maxProperties)")
+        elif kind == "array" and "maxItems" not in p:
+            unbounded.append(f"{key} (a list without maxItems)")
+        elif kind is None:
+            unbounded.append(f"{key} (no type)")
+        Draft202012Validator.check_schema(p)
+        assert Draft202012Validator(p).is_valid(p["default"]), f"{env_id}.{key}: default {p['default']!r} out of bounds"
+    assert not unbounded, f"{env_id}: unbounded config keys: {', '.join(unbounded)}"
+
+
+def test_a_value_out_of_bounds_is_invalid_argument_naming_it(clients, env_id):
+    from envserve.client.errors import EnvServeError
+    props = json.loads(clients[0].get_spec(env_id).config_schema_json)["properties"]
+    with pytest.raises(EnvServeError) as e:
+        clients[0].open(env_id, 1, {"image_size": props["image_size"]["maximum"] + 1})
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "config.image_size" in e.value.message
+
+
 def test_lifecycle(clients, env_id):
     c = clients[0]
     spec = c.get_spec(env_id)

@@ -2,6 +2,7 @@
 blank and wrong pictures score low, targets are the same in any process, a folder of user SVGs
 is served, every class of hostile SVG is an invalid action that leaves the session (and the
 worker) working, and a render past its time limit is stopped. Needs cairosvg and defusedxml."""
+import json
 import math
 import os
 import subprocess
@@ -48,8 +49,25 @@ def renderer_children(pid: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def server():
-    with ServerProcess(["svg"], workers=1, metrics=False) as s:
+def folders(tmp_path_factory):
+    """The folders tests serve targets and model weights from, made before the replica starts."""
+    root = tmp_path_factory.mktemp("svg-folders")
+    paths = {name: root / name for name in ("icons", "empty", "dino", "learned")}
+    for path in paths.values():
+        path.mkdir()
+    return paths
+
+
+@pytest.fixture(scope="module")
+def server(folders, tmp_path_factory):
+    # A caller may name no folder on the server unless the operator allows it: this replica's
+    # operator allows the test folders.
+    limits = tmp_path_factory.mktemp("svg-limits") / "limits.json"
+    limits.write_text(json.dumps({"svg": {
+        "svg_dir": {"enum": ["", str(folders["icons"]), str(folders["empty"])]},
+        "dino_model_path": {"enum": ["", str(folders["dino"]), str(folders["learned"])]},
+        "dreamsim_model_path": {"enum": ["", str(folders["learned"])]}}}))
+    with ServerProcess(["svg"], workers=1, metrics=False, extra=["--config-limits", str(limits)]) as s:
         yield s
 
 
@@ -138,7 +156,8 @@ def test_targets_are_the_same_svg_in_any_process(client):
     client.close_sessions([sid])
 
 
-def test_user_folder_is_served_sorted_and_checked(client, tmp_path):
+def test_user_folder_is_served_sorted_and_checked(client, folders):
+    tmp_path = folders["icons"]
     files = {
         "b.svg": wrap('<circle cx="128" cy="128" r="90" fill="blue"/>'),
         "a.svg": '<?xml version="1.0"?>\n' + wrap('<rect x="20" y="20" width="100" height="60" fill="red"/>'),
@@ -166,10 +185,8 @@ def test_user_folder_is_served_sorted_and_checked(client, tmp_path):
     assert "c.svg" in bad.status.message and "external reference" in bad.status.message
     assert client.reset_one(sid, seed=1).observation.text
     client.close_sessions([sid])
-    empty = tmp_path / "empty"
-    empty.mkdir()
     with pytest.raises(EnvServeError) as e:
-        client.open("svg", 1, {"svg_dir": str(empty)})
+        client.open("svg", 1, {"svg_dir": str(folders["empty"])})
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "no .svg files" in str(e.value)
 
 
@@ -271,7 +288,8 @@ def test_a_render_past_its_time_limit_is_stopped_and_the_worker_survives(server,
     client.close_sessions([sid])
 
 
-def test_learned_metrics_need_local_weights(client, tmp_path):
+def test_learned_metrics_need_local_weights(client, folders):
+    tmp_path = folders["learned"]
     for key in ("dino", "dreamsim"):
         with pytest.raises(EnvServeError) as e:
             client.open("svg", 1, {f"{key}_weight": 1.0})
@@ -283,13 +301,14 @@ def test_learned_metrics_need_local_weights(client, tmp_path):
         assert ("cannot load a DINOv2 model" in str(e.value)) if key == "dino" else ("dreamsim" in str(e.value))
 
 
-def test_dino_metric_from_a_local_model(client, tmp_path):
+def test_dino_metric_from_a_local_model(client, folders):
     """The DINO similarity with a tiny random-weight DINOv2 built here (no hub): identical images
     score 1 on it, and it joins the reported metrics."""
     pytest.importorskip("transformers")
     from transformers import BitImageProcessor, Dinov2Config, Dinov2Model
     import torch
     torch.manual_seed(0)
+    tmp_path = folders["dino"]
     Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                              image_size=56, patch_size=14)).save_pretrained(tmp_path)
     BitImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}).save_pretrained(tmp_path)
@@ -302,9 +321,10 @@ def test_dino_metric_from_a_local_model(client, tmp_path):
     client.close_sessions([sid])
 
 
-def test_bad_config_values_are_invalid_argument(client):
+def test_bad_config_values_are_invalid_argument(client, folders):
     for config in ({"observation_image": "both"}, {"ssim_weight": -1.0}, {"min_shapes": 6, "max_shapes": 2},
-                   {"svg_dir": "/no/such/folder"}, {"render_timeout_s": 0.0}):
+                   {"svg_dir": "/no/such/folder"}, {"svg_dir": str(folders["dino"])}, {"render_timeout_s": 0.0},
+                   {"render_timeout_s": 60.0}, {"max_svg_bytes": 10 ** 6}, {"render_memory_mb": 100_000}):
         with pytest.raises(EnvServeError) as e:
             client.open("svg", 1, config)
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT, config

@@ -257,7 +257,8 @@ def test_bad_configs_are_invalid_arguments(client, tmp_path):
 
     from envserve.client.errors import EnvServeError
     for config, says in (({"observation_mode": "html"}, "observation_mode"), ({"reward_mode": "points"}, "reward_mode"),
-                         ({"data_dir": str(tmp_path)}, "items_shuffle")):
+                         # A folder on the server is the operator's to allow (--config-limits).
+                         ({"data_dir": str(tmp_path)}, "config.data_dir"), ({"num_products": 1_180_000}, "num_products")):
         with pytest.raises(EnvServeError) as e:
             client.open("webshop", 1, config, NO_THINK)
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and says in str(e.value), config

@@ -73,3 +73,32 @@ def test_fork_by_replay_checks_that_the_copy_ends_where_its_parent_is():
     blob["anchor"] = "f" * 16
     with pytest.raises(SessionError, match=f"diverged at turn {len(ANSWERS)}"):
         Session.from_blob(blob)
+
+
+def test_an_episode_past_its_replay_budget_steps_on_but_is_not_copied_by_replay():
+    s = Session("frozenlake", {"max_replay_chars": 100, "max_turns": 1000}, "no_think")
+    s.reset(seed=3)
+    answer = "<answer>Left</answer>"      # 21 characters: the fifth passes 100
+    for _ in range(4):
+        s.step(answer)
+    assert s.replay_record()["actions"] == [answer] * 4
+    s.step(answer)
+    assert s.replay_log is None and s.replay_record() is None
+    assert s.step(answer).turn == 6              # it steps on
+    copy = Session.from_blob(s.to_blob())        # a snapshot still copies it
+    assert copy.anchor == s.anchor and copy.replay_log is None
+    s.reset(seed=3)                              # a reset starts a new budget
+    s.step(answer)
+    assert s.replay_record()["actions"] == [answer]
+
+
+def test_a_session_without_snapshots_past_its_budget_cannot_be_forked(monkeypatch):
+    cls = get_env_class("frozenlake")
+    monkeypatch.setattr(cls, "spec", dataclasses.replace(cls.spec, supports_snapshot=False))
+    s = Session("frozenlake", {"max_replay_chars": 30, "max_turns": 1000}, "no_think")
+    s.reset(seed=3)
+    s.step("<answer>Left</answer>")
+    s.step("<answer>Left</answer>")
+    with pytest.raises(SessionError) as e:
+        s.to_blob()
+    assert e.value.code == "FAILED_PRECONDITION" and "max_replay_chars" in e.value.message

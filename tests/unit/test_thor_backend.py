@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from envserve.core import limits
 from envserve.core.env import resolve_config
 from envserve.core.session import SessionError, full_spec
 from envserve.envs.navigation import thor_backend
@@ -107,7 +108,12 @@ def fake_thor(monkeypatch, tmp_path):
                         staticmethod(lambda settings, platform: FakeThorController(**settings)))
     monkeypatch.delenv(thor_backend.ENV_VAR, raising=False)
     POOL.clear(lambda c: c.stop())
+    # The build and the task files are in tmp_path: an operator's limits allow any path here (by
+    # default only "" is allowed: core/limits.py).
+    any_path = {"enum": None, "maxLength": 4096}
+    limits.install({"navigation": {"thor_local_executable_path": any_path, "thor_task_file": any_path}})
     yield str(build)
+    limits.install({})
     POOL.clear(lambda c: c.stop())
 
 
@@ -247,10 +253,15 @@ def test_warm_pool_reuses_caps_and_drops_dead_controllers(fake_thor):
     assert c._backend.controller is ctrl_a and POOL.created == created + 2
     # Other settings, another controller.
     d = make_env(thor_local_executable_path=fake_thor, thor_width=128)
-    assert d._backend.controller is not ctrl_a and d._backend.controller.kwargs["width"] == 128
+    ctrl_d = d._backend.controller
+    assert ctrl_d is not ctrl_a and ctrl_d.kwargs["width"] == 128
     d.close()
-    # A controller whose Unity process died is not reused.
+    assert not ctrl_d.stopped and POOL.idle_count() == 1
+    # The cap counts every setting's idle controllers: c's goes in, the oldest (d's) is stopped,
+    # so a caller trying setting after setting cannot pile up Unity processes.
     c.close()
+    assert ctrl_d.stopped and not ctrl_a.stopped and POOL.idle_count() == 1
+    # A controller whose Unity process died is not reused.
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     ctrl_a.unity_pid = dead.pid

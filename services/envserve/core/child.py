@@ -102,12 +102,13 @@ class ChildProcess:
         from multiprocessing.connection import Connection
         from multiprocessing.reduction import send_handle
         ours, theirs = socket.socketpair()
-        try:
-            self.request_nowait((FORK_OP, ()))
-            send_handle(self._conn, theirs.fileno(), self.pid)
-        finally:
-            theirs.close()
-        status, value = self._answer(timeout)
+        with self._whole():
+            try:
+                self.request_nowait((FORK_OP, ()))
+                send_handle(self._conn, theirs.fileno(), self.pid)
+            finally:
+                theirs.close()
+            status, value = self._answer(timeout)
         if status != "ok":
             ours.close()
             raise RuntimeError(value)
@@ -117,8 +118,9 @@ class ChildProcess:
     def copies(self, ttl_s: float, timeout: float = 60.0) -> str:
         """The address of a frozen copy of this child that gives each connect() a copy of its own
         and ends once no one has connected for ttl_s seconds."""
-        self.request_nowait((COPIES_OP, (float(ttl_s),)))
-        status, value = self._answer(timeout)
+        with self._whole():
+            self.request_nowait((COPIES_OP, (float(ttl_s),)))
+            status, value = self._answer(timeout)
         if status != "ok":
             raise RuntimeError(value)
         return value
@@ -166,8 +168,22 @@ class ChildProcess:
         """Sends one message and returns the answer; ChildGone if the child is gone, or when it gives
         none within `timeout` seconds (the child is then killed: a late answer would be read as the
         next call's)."""
-        self.request_nowait(message)
-        return self._answer(timeout)
+        with self._whole():
+            self.request_nowait(message)
+            return self._answer(timeout)
+
+    @contextlib.contextmanager
+    def _whole(self):
+        """A call stopped part way by something other than the child (a worker's time limit or a
+        cancel raising in this thread) kills the child: its answer, sent or not, would be read as
+        the next call's. The caller meets ChildGone on its next call and starts another."""
+        try:
+            yield
+        except ChildGone:
+            raise
+        except BaseException:
+            self.kill()
+            raise
 
     def request_nowait(self, message: Any) -> None:
         if self._conn is None:

@@ -6,7 +6,7 @@ session's job (core/session.py), so every environment gets them the same way.
 """
 from __future__ import annotations
 
-import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -29,6 +29,38 @@ def seeded_splits(what: str, train_tasks: int = 1_000_000, test_offset: int = 10
     )
 
 
+# Bounds several envs state in EnvSpec.config_bounds.
+# A reward is the trainer's scale: 100x the largest built-in one (10); bounded so sums stay finite.
+REWARD_BOUNDS: Mapping[str, Any] = {"minimum": -1000.0, "maximum": 1000.0}
+# A key naming a file or folder on the server: only the built-in default ("", which means the env's
+# own source) unless the replica's operator allows more (core/limits.py, e.g. {"enum": ["",
+# "/data/icons"]}). So a caller can neither read an arbitrary folder nor learn whether a path exists:
+# a value outside the list is refused before the filesystem is touched.
+SERVER_PATH_BOUNDS: Mapping[str, Any] = {"enum": [""]}
+# A seed of a package's generator (random.Random, numpy's): a 32-bit word.
+SEED_BOUNDS: Mapping[str, Any] = {"minimum": 0, "maximum": 2 ** 32 - 1}
+
+
+_NO_PATH_SEPARATOR = "^[^/\\\\]*$"
+
+
+def arguments_bounds(max_properties: int = 16, max_number: float = 1e6, max_chars: int = 256,
+                     max_items: int = 64) -> dict:
+    """Bounds of an object of keyword arguments handed to another package (gymnasium.make's,
+    textarena.make's, a reasoning-gym dataset's): at most max_properties names, each value a boolean,
+    null, a number within +-max_number, a string of at most max_chars without a path separator (so
+    no argument names a file on the server), or a list of at most max_items of those (or of such
+    lists: a map's rows). The package checks what its arguments mean; these keep their size bounded.
+    An operator narrows them per env (core/limits.py), e.g. {"maxProperties": 0} to refuse any."""
+    scalar = [{"type": ["boolean", "null"]},
+              {"type": "number", "minimum": -max_number, "maximum": max_number},
+              {"type": "string", "maxLength": max_chars, "pattern": _NO_PATH_SEPARATOR}]
+    row = {"type": "array", "maxItems": max_items, "items": {"anyOf": scalar}}
+    return {"maxProperties": max_properties, "propertyNames": {"maxLength": 64},
+            "additionalProperties": {"anyOf": [*scalar, {"type": "array", "maxItems": max_items,
+                                                         "items": {"anyOf": [*scalar, row]}}]}}
+
+
 @dataclass(frozen=True)
 class EnvSpec:
     env_id: str
@@ -42,6 +74,11 @@ class EnvSpec:
     config_defaults: Mapping[str, Any] = field(default_factory=dict)
     # Optional per-key descriptions for the JSON schema.
     config_docs: Mapping[str, str] = field(default_factory=dict)
+    # Per-key JSON Schema keywords bounding what a caller may choose (minimum/maximum, maxLength,
+    # enum...), merged into config_schema() and enforced by resolve_config. Every key needs some:
+    # the conformance suite checks that numbers are bounded above and strings by maxLength or enum.
+    # A replica's operator may replace them per key (core/limits.py).
+    config_bounds: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     splits: tuple[Split, ...] = (Split("train"),)
     default_action_format: str = "free_think"
     action_formats: tuple[str, ...] = ()
@@ -56,12 +93,18 @@ class EnvSpec:
     # Players of a game whose seats can be separate sessions at a table (envserve.common.tables); 1
     # for everything else.
     seats: int = 1
+    # A step, reset, fork or replay past the replica's time limit (or whose call was cancelled) may
+    # be stopped inside the env's Python code, leaving the session to be reset. False where the env
+    # talks to a process whose protocol an interrupted call would leave out of step (a JVM over
+    # py4j, a simulator's socket): such an env runs on, and a worker stuck past the limit and its
+    # grace is replaced instead (its sessions lost, as after a crash).
+    interruptible: bool = True
 
     def config_schema(self) -> dict:
         """JSON schema of the session config, with defaults."""
         props = {}
         for key, value in self.config_defaults.items():
-            props[key] = {"type": _json_type(value), "default": value}
+            props[key] = {"type": _json_type(value), **self.config_bounds.get(key, {}), "default": value}
             if key in self.config_docs:
                 props[key]["description"] = self.config_docs[key]
         return {"type": "object", "properties": props, "additionalProperties": False}
@@ -89,28 +132,117 @@ def _json_type(value: Any) -> str:
     return "object"
 
 
+# Integral floats up to this magnitude become ints for integer keys: every integer a double holds
+# exactly. A larger one (1e300) stays a float, so an error message shows it as the caller wrote it.
+_EXACT_INTEGERS = 2 ** 53
+# Compiled validators by spec object: Open checks its config on the hot path, and compiling a
+# schema costs about a millisecond. Specs are long-lived (full_spec caches its own), so the cache
+# stays small; it forgets everything past this many.
+_VALIDATORS: dict[int, tuple[EnvSpec, Any, frozenset, frozenset]] = {}
+_VALIDATORS_MAX = 1024
+# Overrides already checked, by (spec object, their items): an Open of many sessions, and a trainer
+# opening with the same config again and again, check it once (a check costs ~30 us).
+_RESOLVED: dict[tuple, tuple[EnvSpec, dict]] = {}
+
+
+def _validator(spec: EnvSpec) -> tuple[Any, frozenset, frozenset]:
+    """(compiled validator of spec's config schema, its integer keys, its number keys)."""
+    entry = _VALIDATORS.get(id(spec))
+    if entry is not None and entry[0] is spec:
+        return entry[1], entry[2], entry[3]
+    from jsonschema import Draft202012Validator
+    schema = spec.config_schema()
+    Draft202012Validator.check_schema(schema)
+    props = schema["properties"]
+    integers = frozenset(k for k, p in props.items() if p.get("type") == "integer")
+    numbers = frozenset(k for k, p in props.items() if p.get("type") == "number")
+    validator = Draft202012Validator(schema)
+    if len(_VALIDATORS) >= _VALIDATORS_MAX:
+        _VALIDATORS.clear()
+    _VALIDATORS[id(spec)] = (spec, validator, integers, numbers)
+    return validator, integers, numbers
+
+
+def config_error(path: "Sequence[Any]", message: str) -> str:
+    """'config.a.b[2]: message', the form every config error takes."""
+    where = "config"
+    for part in path:
+        where += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return f"{where}: {message}"
+
+
+def non_finite(value: Any, path: tuple = ()) -> "tuple[tuple, float] | None":
+    """(path, number) of the first NaN or infinity in value (dicts and lists walked), or None. JSON
+    Schema's bounds cannot catch them: NaN compares false with every bound."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (path, value)
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for k, v in items:
+        found = non_finite(v, (*path, k))
+        if found is not None:
+            return found
+    return None
+
+
+# Longest message an error quotes: jsonschema's quote the value, which may be a megabyte of text.
+_MESSAGE_CHARS = 300
+
+
+def _message(error: Any) -> str:
+    if error.validator == "maxLength" and isinstance(error.instance, str):
+        return f"{len(error.instance)} characters, more than the maxLength of {error.validator_value}"
+    if error.validator == "pattern" and error.validator_value == _NO_PATH_SEPARATOR:
+        return f"{error.instance[:_MESSAGE_CHARS]!r} names a path: a path separator is not allowed here"
+    message = error.message
+    return message if len(message) <= _MESSAGE_CHARS else message[:_MESSAGE_CHARS] + "..."
+
+
 def resolve_config(spec: EnvSpec, overrides: Mapping[str, Any] | None) -> dict:
-    """Defaults plus overrides, with types checked; raises ValueError on bad keys or types."""
+    """Defaults plus overrides, checked against the spec's config schema (types and bounds, with
+    jsonschema); raises ValueError naming the field, e.g. 'config.dim_room: 40 is greater than the
+    maximum of 12'. Integral floats become ints for integer keys (a Struct, which carries Open's
+    config, holds every number as a double) and numbers floats for number keys."""
     config = dict(spec.config_defaults)
-    for key, value in (overrides or {}).items():
-        if key not in config:
-            raise ValueError(f"unknown config key {key!r} for {spec.env_id}; known: {sorted(config)}")
-        default = config[key]
-        # Struct carries every number as a float: accept integral floats for int keys.
-        if isinstance(default, bool):
-            if not isinstance(value, bool):
-                raise ValueError(f"config {key!r} must be a boolean, got {value!r}")
-        elif isinstance(default, int):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-                raise ValueError(f"config {key!r} must be an integer, got {value!r}")
+    if not overrides:
+        return config
+    unknown = [k for k in overrides if k not in config]
+    if unknown:
+        raise ValueError(f"unknown config key {unknown[0]!r} for {spec.env_id}; known: {sorted(config)}")
+    # A value that is its key's default (of the same type) needs no check: a Fork's or a Restore's
+    # config names every key, most of them at their defaults.
+    overrides = {k: v for k, v in overrides.items() if type(v) is not type(config[k]) or v != config[k]}
+    if not overrides:
+        return config
+    try:  # the same overrides again (Open with a count, a trainer's every Open): checked already
+        # Types too: 1, 1.0 and True are equal keys, but not equally valid values.
+        memo_key = (id(spec), tuple((k, type(v), v) for k, v in overrides.items()))
+        values = _RESOLVED.get(memo_key)
+    except TypeError:  # an object or a list among the values: not hashable, checked every time
+        memo_key = values = None
+    if values is not None and values[0] is spec:
+        config.update(values[1])
+        return config
+    validator, integers, numbers = _validator(spec)
+    values = {}
+    for key, value in overrides.items():
+        bad = non_finite(value, (key,))
+        if bad is not None:
+            raise ValueError(config_error(bad[0], f"{bad[1]} is not a finite number"))
+        if type(value) is float and key in integers and value.is_integer() and abs(value) <= _EXACT_INTEGERS:
             value = int(value)
-        elif isinstance(default, float):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"config {key!r} must be a number, got {value!r}")
+        elif key in numbers and type(value) is int:
             value = float(value)
-        elif isinstance(default, str) and not isinstance(value, str):
-            raise ValueError(f"config {key!r} must be a string, got {value!r}")
-        config[key] = value
+        values[key] = value
+    error = next(validator.iter_errors(values), None)
+    if error is not None:
+        from jsonschema.exceptions import best_match
+        error = best_match(validator.iter_errors(values))
+        raise ValueError(config_error(error.absolute_path, _message(error)))
+    if memo_key is not None:
+        if len(_RESOLVED) >= _VALIDATORS_MAX:
+            _RESOLVED.clear()
+        _RESOLVED[memo_key] = (spec, values)
+    config.update(values)
     return config
 
 

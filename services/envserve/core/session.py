@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .env import Environment, EnvSpec, resolve_config
+from . import limits
+from .env import REWARD_BOUNDS, Environment, EnvSpec, resolve_config
 from .formats import get_format
 from .registry import get_env_class
 
@@ -32,6 +33,40 @@ COMMON_CONFIG_DOCS = {
     "max_action_chars": "longer action texts are invalid",
     "history_turns": "ground-truth records kept per session for GetState",
     "include_valid_actions": "list the legal actions in each result's info (valid_actions)",
+    "max_replay_chars": "characters of an episode's action texts kept to copy it by replay (Fork of an env "
+                        "without snapshots, Restore, a drain's move); past them the session steps on but "
+                        "cannot be copied so until its next reset",
+}
+
+
+# Bounds of the session keys (replica operators may replace them: core/limits.py). Envs may set
+# their own for a key (EnvSpec.config_bounds), keyword by keyword over these.
+COMMON_CONFIG_BOUNDS: dict[str, dict[str, Any]] = {
+    # Episode length in turns. Each turn is a request of the caller's own; throughput benchmarks
+    # step one episode for up to a million turns. The built-in defaults are 2 to 500 (gymnasium
+    # takes an env's max_episode_steps, at most 2,000 among its own envs). A session keeps the
+    # episode's action texts for replay (Fork, Restore), which the replica's item time limit bounds.
+    "max_turns": {"minimum": 1, "maximum": 1_000_000},
+    # Actions executed per request: each is an env step (a physics step of primitive_skill costs
+    # tens of milliseconds), so a request's work is bounded by this. VAGEN uses up to 5.
+    "max_actions_per_turn": {"minimum": 1, "maximum": 64},
+    # Pixels per observation: on a 2-core machine a 1024 px Sokoban image renders in 8 ms and
+    # encodes as PNG in 38 ms (3 MiB raw); 16 px is the smallest a model reads.
+    "image_size": {"minimum": 16, "maximum": 1024},
+    "format_reward": REWARD_BOUNDS,
+    "format_penalty": REWARD_BOUNDS,
+    "invalid_action_penalty": REWARD_BOUNDS,
+    # ",", ";", "|" or "" (no split); a longer one is never a separator.
+    "action_separator": {"maxLength": 16},
+    # The front cuts an action text at 1 MiB before any worker sees it (server/service.py).
+    "max_action_chars": {"minimum": 1, "maximum": 1_048_576},
+    # Ground-truth records kept for GetState; each holds a state (up to ~100 KB for svg), so 1024
+    # of them are at most ~100 MB a session.
+    "history_turns": {"minimum": 1, "maximum": 1024},
+    # The episode's action texts a session keeps for replay: what max_turns and max_action_chars
+    # alone would let grow to gigabytes (a million turns of 1 MiB). 1 MiB is 20 times a 50-turn
+    # episode of 1,000-character answers; a caller can only lower it.
+    "max_replay_chars": {"minimum": 0, "maximum": 1_048_576},
 }
 
 
@@ -62,17 +97,55 @@ def session_config_defaults(spec: EnvSpec) -> dict:
         "max_action_chars": 16384,
         "history_turns": 64,
         "include_valid_actions": False,
+        "max_replay_chars": 1_048_576,
     }
     common.update(spec.config_defaults)
     return common
 
 
-def full_spec(spec: EnvSpec) -> EnvSpec:
-    """The spec with the common session keys in its config schema."""
+def spec_with_limits(spec: EnvSpec, operator: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> EnvSpec:
+    """The spec with the common session keys in its config schema, and every key's bounds: the
+    common ones, the env's own over them, then the operator's (core/limits.py: '*' for the common
+    keys, then the env id), keyword by keyword; an operator's "default" replaces the default."""
     import dataclasses
     docs = dict(COMMON_CONFIG_DOCS)
     docs.update(spec.config_docs)
-    return dataclasses.replace(spec, config_defaults=session_config_defaults(spec), config_docs=docs)
+    defaults = session_config_defaults(spec)
+    bounds = {k: dict(v) for k, v in COMMON_CONFIG_BOUNDS.items()}
+    for key, keywords in spec.config_bounds.items():
+        bounds[key] = {**bounds.get(key, {}), **keywords}
+    common = {k: v for k, v in operator.get("*", {}).items() if k in COMMON_CONFIG_DOCS}
+    for layer in (common, operator.get(spec.env_id, {})):
+        for key, keywords in layer.items():
+            if key not in defaults:
+                continue
+            keywords = dict(keywords)
+            if "default" in keywords:
+                defaults[key] = keywords.pop("default")
+            merged = {**bounds.get(key, {}), **keywords}
+            bounds[key] = {k: v for k, v in merged.items() if v is not None}  # null drops a built-in keyword
+    return dataclasses.replace(spec, config_defaults=defaults, config_docs=docs, config_bounds=bounds,
+                               max_turns=defaults["max_turns"], max_actions_per_turn=defaults["max_actions_per_turn"])
+
+
+# full_spec's results by spec object, for the limits generation they were built with: Open resolves
+# a config against its env's full spec on the hot path, and resolve_config caches its compiled
+# validator by that spec object.
+_FULL_SPECS: dict[int, tuple[EnvSpec, int, EnvSpec]] = {}
+
+
+def full_spec(spec: EnvSpec) -> EnvSpec:
+    """The spec with the common session keys and the bounds in force in this process (the
+    operator's limits installed by core/limits.install over the built-in ones)."""
+    generation = limits.generation()
+    entry = _FULL_SPECS.get(id(spec))
+    if entry is not None and entry[0] is spec and entry[1] == generation:
+        return entry[2]
+    full = spec_with_limits(spec, limits.installed())
+    if len(_FULL_SPECS) >= 1024:
+        _FULL_SPECS.clear()
+    _FULL_SPECS[id(spec)] = (spec, generation, full)
+    return full
 
 
 def state_key(data: Any) -> str:
@@ -139,7 +212,8 @@ class Session:
         self.done = False
         self.anchor = ""
         # Texts stepped since the last reset: the replay log for envs that cannot snapshot.
-        self.replay_log: list[str] = []
+        self.replay_log: list[str] | None = []   # None: past max_replay_chars this episode
+        self.replay_chars = 0
         self.history: collections.deque = collections.deque(maxlen=max(1, int(self.config["history_turns"])))
         # The latest turn at a glance, for monitors (summary()); the observation text is history[-1].
         self.last_action = ""
@@ -149,6 +223,9 @@ class Session:
         self.truncated = False
         self.updated_unix = time.time()
         self._replaying = False
+        # Why the session cannot step until its next reset ("" when it can): an item of it was
+        # stopped part way (time limit, cancel), so its state may be half-changed.
+        self.broken = ""
 
     def system_prompt(self) -> str:
         """The env's system prompt plus how to answer in this session's action format."""
@@ -169,11 +246,17 @@ class Session:
             self.trial += 1
         return self._begin_episode({"seed": self.seed, **({"split": split} if split else {})})
 
+    def interrupted(self, why: str) -> None:
+        """An item of this session was stopped part way: nothing but a reset is allowed now."""
+        self.broken = why
+        self.done = True
+
     def _begin_episode(self, info: dict) -> TurnResult:
         self.env.reset(self.seed, dict(self.task_options))
+        self.broken = ""
         self.turn = 0
         self.done = False
-        self.replay_log = []
+        self.replay_log, self.replay_chars = [], 0
         self.last_action, self.last_reward, self.episode_return = "", 0.0, 0.0
         self.success = self.truncated = False
         result = TurnResult(text="")
@@ -197,11 +280,18 @@ class Session:
         return sp.seed_offset + secrets.randbelow(sp.num_tasks), {}
 
     def step(self, text: str) -> TurnResult:
+        if self.broken:
+            raise SessionError("FAILED_PRECONDITION", f"{self.broken}; reset the session")
         if self.seed is None:
             raise SessionError("FAILED_PRECONDITION", "session has not been reset")
         if self.done:
             raise SessionError("FAILED_PRECONDITION", "episode is over; reset the session")
-        self.replay_log.append(text)
+        if self.replay_log is not None:
+            self.replay_chars += len(text) if isinstance(text, str) else 0
+            if self.replay_chars > self.config["max_replay_chars"]:
+                self.replay_log = None   # stepping goes on; copying by replay does not
+            else:
+                self.replay_log.append(text)
         cfg = self.config
         result = TurnResult(text="")
         executed: list[str] = []
@@ -333,22 +423,31 @@ class Session:
     # -- copies -----------------------------------------------------------------------------
     def to_blob(self) -> dict:
         """A picklable copy: a snapshot where the env can make one, else what replay needs."""
+        snap = self.env.snapshot() if self.spec.supports_snapshot and self.seed is not None else None
+        if self.replay_log is None and snap is None and self.seed is not None:
+            raise SessionError("FAILED_PRECONDITION", self._past_replay())
         blob = {
             "env_id": self.env_id, "config": dict(self.config), "action_format": self.action_format,
             "seed": self.seed, "task_options": self.task_options, "episode": self.episode, "trial": self.trial,
             "turn": self.turn, "done": self.done, "anchor": self.anchor,
-            "replay_log": list(self.replay_log), "history": list(self.history),
+            "replay_log": None if self.replay_log is None else list(self.replay_log), "history": list(self.history),
             "progress": (self.last_action, self.last_reward, self.episode_return, self.success, self.truncated),
+            "replay_chars": self.replay_chars,
         }
-        if self.spec.supports_snapshot and self.seed is not None:
-            snap = self.env.snapshot()
-            if snap is not None:      # None: this instance cannot copy itself now; replay
-                blob["env_snapshot"] = snap
+        if snap is not None:      # None: this instance cannot copy itself now; replay
+            blob["env_snapshot"] = snap
         return blob
 
-    def replay_record(self) -> dict:
+    def _past_replay(self) -> str:
+        return (f"this episode's actions passed max_replay_chars ({self.config['max_replay_chars']} characters): "
+                f"it cannot be copied by replay until the session is reset")
+
+    def replay_record(self) -> dict | None:
         """What Session.restore needs to rebuild this session elsewhere: its reset arguments and
-        the current episode's actions, with the anchors the kept history still holds."""
+        the current episode's actions, with the anchors the kept history still holds (None when
+        the episode's actions passed max_replay_chars)."""
+        if self.replay_log is None:
+            return None
         kept = {r["turn"]: r["anchor"] for r in self.history
                 if r.get("trial", 0) == self.trial and r["episode"] == self.episode}
         return {"env_id": self.env_id, "config": dict(self.config), "action_format": self.action_format,
@@ -371,7 +470,8 @@ class Session:
             s.replay(blob["replay_log"], final_anchor=blob["anchor"])
         s.episode, s.turn, s.done, s.anchor = blob["episode"], blob["turn"], blob["done"], blob["anchor"]
         s.trial = blob.get("trial", 0)
-        s.replay_log = list(blob["replay_log"])
+        s.replay_log = None if blob["replay_log"] is None else list(blob["replay_log"])
+        s.replay_chars = blob.get("replay_chars", 0)
         s.history.clear()
         s.history.extend(blob["history"])
         if "progress" in blob:

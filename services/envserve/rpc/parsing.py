@@ -4,8 +4,10 @@ grpc's own servers answer such bytes with UNKNOWN ("Unexpected <class 'DecodeErr
 unary call, and a bidirectional stream can end as if nothing had been sent. Every service of a
 replica and of the judge is added through `add_service` or `add_handlers`, which give each method a
 request deserializer that cannot raise (it returns a `Malformed` marker) and a behaviour that aborts
-with INVALID_ARGUMENT, naming the method and the message type, when it meets one. The wrapping is
-done once, when the service is added, so a well-formed call pays one type check per message.
+with INVALID_ARGUMENT, naming the method and the message type, when it meets one. A unary method
+that meets a value it cannot take while reading a request (rpc/values.py's BadValue: a NaN in a
+config Struct) answers INVALID_ARGUMENT with that message the same way. The wrapping is done once,
+when the service is added, so a well-formed call pays one type check per message.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import inspect
 from typing import Any, Callable
 
 import grpc
+
+from .values import BadValue
 
 
 class Malformed:
@@ -72,7 +76,10 @@ def checked_handler(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMeth
         async def unary_unary(request, context):
             if type(request) is Malformed:
                 await _refuse(context, request)
-            return await _result(behaviour(request, context))
+            try:
+                return await _result(behaviour(request, context))
+            except BadValue as e:  # a value in the request the server cannot take (rpc/values.py)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return grpc.unary_unary_rpc_method_handler(unary_unary, request_deserializer=parse, response_serializer=out)
     if handler.unary_stream is not None:
         behaviour = handler.unary_stream

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import grpc
 from google.protobuf import struct_pb2
@@ -20,6 +21,55 @@ def code_number(name: str) -> int:
 def status_code(number: int) -> grpc.StatusCode:
     """The StatusCode of a per-item status's number (UNKNOWN for a number gRPC does not define)."""
     return _BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
+
+class BadValue(ValueError):
+    """A request value the server cannot take (a NaN in a config, nesting too deep). The method
+    handlers of rpc/parsing answer it as INVALID_ARGUMENT with this message."""
+
+
+def struct_to_dict(struct: struct_pb2.Struct, max_depth: int = 32, path: str = "config") -> dict:
+    """A Struct as plain values, as json_format.MessageToDict gives them (numbers as floats), but
+    refusing what a config cannot hold, with BadValue (a ValueError) naming the path: NaN or an
+    infinity (MessageToDict raises a ValueError that names no field) and objects or lists nested
+    deeper than max_depth (the Struct itself is level 1; MessageToDict recurses as deep as the
+    message goes)."""
+    return _struct(struct, 1, max_depth, path)
+
+
+def _too_deep(path: str, max_depth: int) -> BadValue:
+    return BadValue(f"{path}: nested deeper than {max_depth} levels")
+
+
+def _struct(struct: struct_pb2.Struct, level: int, max_depth: int, path: str) -> dict:
+    if level > max_depth:
+        raise _too_deep(path, max_depth)
+    return {key: _value(v, level, max_depth, f"{path}.{_short(key)}") for key, v in struct.fields.items()}
+
+
+def _short(key: str) -> str:
+    # A caller's key goes into an error message: a long one is cut.
+    return key if len(key) <= 64 else key[:64] + "..."
+
+
+def _value(v: struct_pb2.Value, level: int, max_depth: int, path: str):
+    kind = v.WhichOneof("kind")
+    if kind == "number_value":
+        number = v.number_value
+        if not math.isfinite(number):
+            raise BadValue(f"{path}: {number} is not a finite number")
+        return number
+    if kind == "string_value":
+        return v.string_value
+    if kind == "bool_value":
+        return v.bool_value
+    if kind == "struct_value":
+        return _struct(v.struct_value, level + 1, max_depth, path)
+    if kind == "list_value":
+        if level + 1 > max_depth:
+            raise _too_deep(path, max_depth)
+        return [_value(item, level + 1, max_depth, f"{path}[{i}]") for i, item in enumerate(v.list_value.values)]
+    return None  # null_value, or no kind set (MessageToDict gives None too)
 
 
 def to_struct(data: dict) -> struct_pb2.Struct:

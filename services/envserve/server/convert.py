@@ -6,7 +6,7 @@ import json
 
 from envserve.core.env import EnvSpec
 from envserve.core.session import TurnResult, full_spec
-from envserve.rpc.values import code_number, to_struct
+from envserve.rpc.values import code_number, struct_to_dict, to_struct
 from envserve.v1 import envserve_pb2 as pb
 
 from . import wire
@@ -82,12 +82,19 @@ def history_to_proto(h: dict) -> pb.SessionHistory:
     return msg
 
 
+def config_from_proto(message) -> dict:
+    """The config Struct of an OpenRequest or a SessionHistory as a dict ({} when unset). NaN, an
+    infinity or nesting deeper than 32 levels raise rpc.values.BadValue naming the field, which
+    the method handlers (rpc/parsing.py) answer as INVALID_ARGUMENT."""
+    return struct_to_dict(message.config) if message.HasField("config") else {}
+
+
 def history_from_proto(h: pb.SessionHistory) -> dict:
-    """A SessionHistory as the keyword values of Session.restore (picklable, for a worker)."""
-    from google.protobuf import json_format
+    """A SessionHistory as the keyword values of Session.restore (picklable, for a worker); see
+    config_from_proto for a config that cannot be read."""
     return {
         "env_id": h.env_id, "action_format": h.action_format,
-        "config": json_format.MessageToDict(h.config) if h.HasField("config") else {},
+        "config": config_from_proto(h),
         "seed": h.seed if h.HasField("seed") else None, "trial": h.trial, "episode": h.episode,
         "reset_anchor": h.reset_anchor, "actions": [t.action for t in h.turns],
         "anchors": [t.anchor for t in h.turns],

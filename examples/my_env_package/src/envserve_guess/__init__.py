@@ -22,9 +22,13 @@ class GuessEnv(Environment):
         max_turns=8,
         max_actions_per_turn=1,
         config_defaults={"high": HIGH, "reward_right": 1.0, "penalty_wrong": -0.1},
-        config_docs={"high": f"the secret is in [0, high], high <= {HIGH}",
+        config_docs={"high": "the secret is in [0, high]",
                      "reward_right": "reward of the right guess",
                      "penalty_wrong": "reward of each wrong guess"},
+        # What a caller may choose: out of bounds is INVALID_ARGUMENT at Open, naming the key.
+        config_bounds={"high": {"minimum": 1, "maximum": HIGH},
+                       "reward_right": {"minimum": -100.0, "maximum": 100.0},
+                       "penalty_wrong": {"minimum": -100.0, "maximum": 100.0}},
         splits=seeded_splits("secrets drawn from the seed"),
         default_action_format="no_think",
     )
@@ -32,8 +36,6 @@ class GuessEnv(Environment):
     def __init__(self, config):
         super().__init__(config)
         self.high = int(self.config["high"])
-        if not 0 < self.high <= HIGH:
-            raise ValueError(f"high must be in 1..{HIGH}, got {self.high}")
 
     def reset(self, seed, options=None):
         self.secret = random.Random(seed).randint(0, self.high)

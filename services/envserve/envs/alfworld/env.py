@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Mapping
 
-from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, Split
+from envserve.core.env import REWARD_BOUNDS, SERVER_PATH_BOUNDS, ActionOutcome, Environment, EnvSpec, GroundTruth, Split
 from envserve.core.session import SessionError
 
 from . import games as game_index
@@ -92,6 +92,27 @@ _DOCS = {
     "fork_copy_ttl_s": "how long the frozen engine copy behind a Fork waits for its copies to connect",
 }
 
+_BOUNDS = {
+    "data_source": {"enum": ["auto", "official", "generated"]},
+    # Folders on the server (data read, generated games written): the operator's allow-list only.
+    "data_dir": SERVER_PATH_BOUNDS,
+    "games_dir": SERVER_PATH_BOUNDS,
+    # Comma-separated lists of the six task types' names (the longest is 32 characters).
+    "heldout_task_types": {"maxLength": 256},
+    "ood_task_types": {"maxLength": 256},
+    # Games are generated (a planner run each, written to games_dir) the first time a seed needs
+    # one, so these sizes bound the disk a caller can fill: ALFWorld's own split sizes at most.
+    "generated_train_games": {"minimum": 0, "maximum": _DEFAULTS["generated_train_games"]},
+    "generated_valid_seen_games": {"minimum": 0, "maximum": _DEFAULTS["generated_valid_seen_games"]},
+    "generated_valid_unseen_games": {"minimum": 0, "maximum": _DEFAULTS["generated_valid_unseen_games"]},
+    "unseen_floor_plans": {"maxLength": 256},
+    "success_reward": REWARD_BOUNDS,
+    # "none" runs the engine in the worker, where its crash would take every session of that
+    # worker, other callers' too: an operator may allow it (core/limits.py).
+    "isolation": {"enum": ["process"]},
+    # How long a frozen engine process behind a Fork waits for its copies: a caller may shorten it.
+    "fork_copy_ttl_s": {"exclusiveMinimum": 0.0, "maximum": _DEFAULTS["fork_copy_ttl_s"]},
+}
 # name -> (base splits, which task types), in seed-range order.
 _SPLITS = (
     ("train", ("train",), "all"),
@@ -156,6 +177,7 @@ class AlfWorldEnv(Environment):
         max_actions_per_turn=1,
         config_defaults=_DEFAULTS,
         config_docs=_DOCS,
+        config_bounds=_BOUNDS,
         splits=tuple(Split(name, f"{_SPLIT_DOCS[name]}: {_SIZES[name]} games with generated data, "
                                  f"seeds from {k * SPLIT_STRIDE:.0e}", k * SPLIT_STRIDE, max(1, _SIZES[name]))
                      for k, (name, _, _) in enumerate(_SPLITS)),
@@ -168,9 +190,7 @@ class AlfWorldEnv(Environment):
     def __init__(self, config: Mapping[str, Any]):
         super().__init__(config)
         c = self.config
-        if c["data_source"] not in ("auto", "official", "generated"):
-            raise ValueError(f"data_source must be auto, official or generated, got {c['data_source']!r}")
-        if c["isolation"] not in ("process", "none"):
+        if c["isolation"] not in ("process", "none"):  # an operator's enum may name others
             raise ValueError(f"isolation must be process or none, got {c['isolation']!r}")
         heldout = _type_list(c["heldout_task_types"], "heldout_task_types")
         ood = _type_list(c["ood_task_types"], "ood_task_types")
@@ -187,8 +207,6 @@ class AlfWorldEnv(Environment):
             except ValueError:
                 raise ValueError(f"unseen_floor_plans must be comma-separated numbers, got {c['unseen_floor_plans']!r}") from None
             counts = {b: int(c[f"generated_{b}_games"]) for b in game_index.BASE_SPLITS}
-            if min(counts.values()) < 0:
-                raise ValueError("generated_*_games must not be negative")
             self._generated = game_index.GeneratedGames(c["games_dir"], counts, plans)
             refs = {b: self._generated.refs(b) for b in game_index.BASE_SPLITS}
         self._splits = _select(refs, heldout, ood)

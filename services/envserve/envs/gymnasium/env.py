@@ -15,7 +15,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, seeded_splits, integral_numbers
+from envserve.core.env import (ActionOutcome, Environment, EnvSpec, GroundTruth, arguments_bounds, integral_numbers,
+                               seeded_splits)
 
 # Ids `envserve ls` and the conformance suite try; those gymnasium cannot make here (a missing
 # Box2D, another version suffix) are left out when listed.
@@ -27,6 +28,13 @@ DEFAULT_MAX_TURNS = 200
 # Session config: gym.make keyword arguments, digits of the numbers in text observations, and
 # the largest observation written out number by number (bigger ones, pixels, are summarised).
 CONFIG_DEFAULTS = {"kwargs": {}, "ndigits": 3, "max_observation_numbers": 256}
+CONFIG_BOUNDS = {
+    "kwargs": arguments_bounds(),
+    # A float has 17 significant digits at most.
+    "ndigits": {"minimum": 0, "maximum": 17},
+    # Numbers written into every text observation: 4,096 of them are about 40 KB of text a turn.
+    "max_observation_numbers": {"minimum": 1, "maximum": 4096},
+}
 CONFIG_DOCS = {
     "kwargs": "keyword arguments of gymnasium.make (not render_mode, which the session picks)",
     "ndigits": "digits after the point of the numbers in the text observation",
@@ -108,6 +116,7 @@ def make_env_class(name: str) -> type:
             # Vector actions are written with commas inside: split several actions on ';' instead.
             config_defaults={**CONFIG_DEFAULTS, **({} if codec.kind == "discrete" else {"action_separator": ";"})},
             config_docs=CONFIG_DOCS,
+            config_bounds=CONFIG_BOUNDS,
             splits=seeded_splits("gymnasium reset seeds"),
             supports_snapshot=_copies_step_identically(env),
             seed_varies_start=_seed_varies_start(env),
@@ -336,12 +345,8 @@ class GymnasiumEnv(Environment):
     def __init__(self, config: Mapping[str, Any]):
         super().__init__(config)
         kwargs = self.config["kwargs"]
-        if not isinstance(kwargs, Mapping):
-            raise ValueError(f"kwargs must be an object of gymnasium.make arguments, got {kwargs!r}")
         if "render_mode" in kwargs:
             raise ValueError("kwargs cannot set render_mode: render_image picks it")
-        if int(self.config["ndigits"]) < 0 or int(self.config["max_observation_numbers"]) < 1:
-            raise ValueError("ndigits must be >= 0 and max_observation_numbers >= 1")
         self._ndigits = int(self.config["ndigits"])
         self._max_numbers = int(self.config["max_observation_numbers"])
         # Images come from rgb_array; the text view switches to ansi only while it renders.

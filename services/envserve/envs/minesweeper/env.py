@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, seeded_splits
+from envserve.core.env import REWARD_BOUNDS, ActionOutcome, Environment, EnvSpec, GroundTruth, seeded_splits
 
 from ..grid_render import Mark, Tile, render_grid
 
@@ -94,6 +94,18 @@ class MinesweeperEnv(Environment):
             "penalty_for_step": "reward of every valid reveal",
             "action_separator": "separator between several actions in one answer (';' because actions hold commas)",
         },
+        config_bounds={
+            # The classic expert board is 16x30. A 30x30 board opens and resets in about a
+            # millisecond on a 2-core machine; its text observation is about 2 KB.
+            "rows": {"minimum": 1, "maximum": 30},
+            "cols": {"minimum": 1, "maximum": 30},
+            # Fewer than rows * cols as well (the env's own check).
+            "num_mines": {"minimum": 0, "maximum": 899},
+            "reward_win": REWARD_BOUNDS,
+            "penalty_mine": REWARD_BOUNDS,
+            "reward_reveal": REWARD_BOUNDS,
+            "penalty_for_step": REWARD_BOUNDS,
+        },
         splits=seeded_splits("seeded boards"),
         default_action_format="free_think",
     )
@@ -102,10 +114,8 @@ class MinesweeperEnv(Environment):
         super().__init__(config)
         c = self.config
         self._R, self._C, self._n = int(c["rows"]), int(c["cols"]), int(c["num_mines"])
-        if self._R < 1 or self._C < 1:
-            raise ValueError(f"rows and cols must be positive, got {self._R}x{self._C}")
-        if not 0 <= self._n < self._R * self._C:
-            raise ValueError(f"num_mines must be in [0, rows*cols), got {self._n} for {self._R}x{self._C}")
+        if self._n >= self._R * self._C:
+            raise ValueError(f"num_mines must be fewer than rows*cols, got {self._n} for {self._R}x{self._C}")
         self._r_step = float(c["penalty_for_step"])
         self._r_win = float(c["reward_win"])
         self._r_mine = float(c["penalty_mine"])

@@ -21,7 +21,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, seeded_splits
+from envserve.core.env import (REWARD_BOUNDS, SERVER_PATH_BOUNDS, ActionOutcome, Environment, EnvSpec, GroundTruth,
+                               seeded_splits)
 
 ACTIONS = ("moveahead", "moveback", "moveright", "moveleft", "rotateright", "rotateleft", "lookup", "lookdown")
 BACKENDS = ("miniworld", "ai2thor")
@@ -66,6 +67,46 @@ DEFAULTS: dict[str, Any] = {
     "thor_gpu_device": -1,
     "thor_server_timeout": 300.0,
     "thor_pool_size": 4,
+}
+
+_HORIZON = {"minimum": -90.0, "maximum": 90.0}
+BOUNDS: dict[str, dict[str, Any]] = {
+    "backend": {"enum": list(BACKENDS)},
+    "success_distance": {"exclusiveMinimum": 0.0, "maximum": 30.0},
+    "step_length": {"exclusiveMinimum": 0.0, "maximum": 5.0},
+    "rotate_degrees": {"exclusiveMinimum": 0.0, "maximum": 360.0},
+    "look_degrees": {"exclusiveMinimum": 0.0, "maximum": 90.0},
+    # Ordered min_horizon <= start_horizon <= max_horizon as well (the env's own check).
+    "start_horizon": _HORIZON, "min_horizon": _HORIZON, "max_horizon": _HORIZON,
+    "field_of_view": {"exclusiveMinimum": 0.0, "exclusiveMaximum": 180.0},
+    "visibility_distance": {"exclusiveMinimum": 0.0, "maximum": 100.0},
+    "success_reward": REWARD_BOUNDS,
+    "step_penalty": REWARD_BOUNDS,
+    "max_env_steps": {"minimum": 0, "maximum": 10_000},
+    "max_objects_in_state": {"minimum": 0, "maximum": 100},
+    "instruction_template": {"maxLength": 512},
+    "miniworld_num_objects": {"minimum": 0, "maximum": 20},
+    # MiniWorld rooms' sides (m); min <= max as well (the backend's check).
+    "miniworld_min_room": {"minimum": 3.0, "maximum": 30.0},
+    "miniworld_max_room": {"minimum": 3.0, "maximum": 30.0},
+    # Idle simulators a worker keeps (each a GL context or a Unity process): a caller may keep fewer.
+    "miniworld_pool_size": {"minimum": 0, "maximum": DEFAULTS["miniworld_pool_size"]},
+    "thor_pool_size": {"minimum": 0, "maximum": DEFAULTS["thor_pool_size"]},
+    # The Unity build and the task list are files on the server, the X display a server of the
+    # machine's: the operator's allow-list only.
+    "thor_local_executable_path": SERVER_PATH_BOUNDS,
+    "thor_task_file": SERVER_PATH_BOUNDS,
+    "thor_x_display": SERVER_PATH_BOUNDS,
+    # Scene names and ranges (at most 1,000 scenes: thor_backend.parse_scenes).
+    "thor_scenes": {"maxLength": 1024, "pattern": "^[A-Za-z0-9_, -]*$"},
+    # Unity renders every frame at this size: as the session's image_size.
+    "thor_width": {"minimum": 16, "maximum": 1024},
+    "thor_height": {"minimum": 16, "maximum": 1024},
+    "thor_grid_size": {"minimum": 0.01, "maximum": 1.0},
+    "thor_platform": {"enum": ["", "CloudRendering"]},
+    "thor_gpu_device": {"minimum": -1, "maximum": 15},
+    # How long a step may wait for Unity: a caller may wait less, never more.
+    "thor_server_timeout": {"exclusiveMinimum": 0.0, "maximum": DEFAULTS["thor_server_timeout"]},
 }
 
 DOCS = {
@@ -206,28 +247,21 @@ class NavigationEnv(Environment):
         modalities=("text", "image"),
         config_defaults={**DEFAULTS, "render_image": True, "format_reward": 0.5},
         config_docs=DOCS,
+        config_bounds=BOUNDS,
         splits=seeded_splits("generated navigation tasks (AI2-THOR with thor_task_file: task seed mod count)"),
         default_action_format="free_think",
         # The simulators hold GL contexts and Unity processes: forks replay (seed, actions).
         supports_snapshot=False,
+        # A call stopped part way could leave THOR's socket or a GL context out of step.
+        interruptible=False,
     )
 
     def __init__(self, config: Mapping[str, Any]):
         super().__init__(config)
         c = self.config
-        backend = str(c["backend"]).strip().lower()
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {list(BACKENDS)}, got {c['backend']!r}")
-        for key in ("success_distance", "step_length", "rotate_degrees", "look_degrees", "visibility_distance"):
-            if not float(c[key]) > 0:
-                raise ValueError(f"{key} must be positive, got {c[key]}")
-        if not 0 < float(c["field_of_view"]) < 180:
-            raise ValueError(f"field_of_view must be in (0, 180), got {c['field_of_view']}")
-        if not -90 <= float(c["min_horizon"]) <= float(c["start_horizon"]) <= float(c["max_horizon"]) <= 90:
-            raise ValueError("need -90 <= min_horizon <= start_horizon <= max_horizon <= 90")
-        for key in ("max_env_steps", "max_objects_in_state"):
-            if int(c[key]) < 0:
-                raise ValueError(f"{key} must be >= 0, got {c[key]}")
+        backend = str(c["backend"])
+        if not float(c["min_horizon"]) <= float(c["start_horizon"]) <= float(c["max_horizon"]):
+            raise ValueError("need min_horizon <= start_horizon <= max_horizon")
         try:
             c["instruction_template"].format(target="x")
         except (KeyError, IndexError, ValueError) as e:

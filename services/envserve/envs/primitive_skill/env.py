@@ -12,7 +12,7 @@ import os
 import re
 from typing import Any, Mapping
 
-from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, seeded_splits
+from envserve.core.env import REWARD_BOUNDS, ActionOutcome, Environment, EnvSpec, GroundTruth, seeded_splits
 
 from .spaces import DEFAULT_WORKSPACES_MM, TASK_NAMES, Workspace, parse_workspace_mm
 
@@ -80,6 +80,18 @@ class PrimitiveSkillEnv(Environment):
             "robot_init_qpos_noise": 0.02,
             **{f"workspace_{name}": ",".join(map(str, DEFAULT_WORKSPACES_MM[name])) for name in TASK_NAMES},
         },
+        config_bounds={
+            "task": {"enum": [*TASK_NAMES, "random"]},
+            # Each skill runs the arm's controller for up to a few hundred physics steps: a turn's
+            # work is bounded by its skills (VAGEN: 10 an episode).
+            "max_actions_per_turn": {"maximum": 10},
+            "success_reward": REWARD_BOUNDS,
+            "stage_reward": REWARD_BOUNDS,
+            "step_penalty": REWARD_BOUNDS,
+            "max_skills": {"minimum": 0, "maximum": 100},
+            "robot_init_qpos_noise": {"minimum": 0.0, "maximum": 0.5},
+            **{f"workspace_{name}": {"maxLength": 128, "pattern": "^[-0-9., ]*$"} for name in TASK_NAMES},
+        },
         config_docs={
             "task": f"one of {', '.join(TASK_NAMES)}, or 'random' (the seed chooses the task)",
             "success_reward": "reward when the task is done (the episode ends with success)",
@@ -96,20 +108,14 @@ class PrimitiveSkillEnv(Environment):
         default_action_format="free_think",
         # The simulator state lives in PhysX; forks replay (seed, actions), which is deterministic.
         supports_snapshot=False,
+        # SAPIEN's scene and its Vulkan renderer are not left part way through a call.
+        interruptible=False,
     )
 
     def __init__(self, config: Mapping[str, Any]):
         super().__init__(config)
         c = self.config
         task = str(c["task"])
-        if task not in TASK_NAMES and task != "random":
-            raise ValueError(f"task must be one of {list(TASK_NAMES)} or 'random', got {task!r}")
-        if int(c["max_skills"]) < 0:
-            raise ValueError(f"max_skills must be >= 0, got {c['max_skills']}")
-        if not 16 <= int(c["image_size"]) <= 2048:
-            raise ValueError(f"image_size must be in [16, 2048], got {c['image_size']}")
-        if float(c["robot_init_qpos_noise"]) < 0:
-            raise ValueError("robot_init_qpos_noise must be >= 0")
         self._workspaces = {name: Workspace.from_mm(parse_workspace_mm(str(c[f"workspace_{name}"])))
                             for name in TASK_NAMES}
         self._task_choice = task

@@ -70,6 +70,21 @@ _DEFAULTS = {
     "sessions_per_jvm": 8,
     "expert": False,
 }
+_VARIATIONS = {"enum": ["train", "dev", "test", "all"]}
+_BOUNDS = {
+    # Comma-separated task ids ('1-4', 30 tasks): the whole list is under 200 characters.
+    "heldout_tasks": {"maxLength": 256},
+    "l0_variations": _VARIATIONS, "l1_variations": _VARIATIONS, "l2_variations": _VARIATIONS,
+    # The package's six simplification names, comma-separated, fit in 128 characters.
+    "simplifications": {"maxLength": 128},
+    # The task score changes by at most 100 a step: at scale 10 a reward stays within +-1000.
+    "reward_scale": {"minimum": 0.0, "maximum": 10.0},
+    # A JVM's heap and how many sessions share it protect the worker's memory: a caller may give
+    # a JVM less, never more. The heap in 64 MiB steps: JVMs are shared by (heap, sessions_per_jvm),
+    # so every distinct value is another JVM.
+    "heap_max_mb": {"minimum": 64, "maximum": _DEFAULTS["heap_max_mb"], "multipleOf": 64},
+    "sessions_per_jvm": {"minimum": 1, "maximum": _DEFAULTS["sessions_per_jvm"]},
+}
 _DEFAULT_SPLITS = _tasks_by_split(frozenset(_DEFAULTS["heldout_tasks"].split(",")),
                                   {"L0": "train", "L1": "test", "L2": "test"})
 _SPLIT_DOCS = {"L0": "seen variations of seen task types", "L1": "unseen variations of seen task types",
@@ -159,6 +174,7 @@ class ScienceWorldEnv(Environment):
         max_turns=30,
         max_actions_per_turn=1,
         config_defaults=_DEFAULTS,
+        config_bounds=_BOUNDS,
         config_docs={
             "heldout_tasks": "comma-separated task ids (tasks.json, e.g. '1-4') of split L2; the others make L0/L1",
             "l0_variations": "the package's variation list for L0: train, dev, test or all",
@@ -178,6 +194,8 @@ class ScienceWorldEnv(Environment):
         default_action_format="free_think",
         # The simulator's state lives in the JVM: forks replay (seed, actions).
         supports_snapshot=False,
+        # A py4j call stopped part way would leave its answer unread on the JVM's socket.
+        interruptible=False,
     )
 
     def __init__(self, config: Mapping[str, Any]):
@@ -188,16 +206,9 @@ class ScienceWorldEnv(Environment):
         if heldout - known:
             raise ValueError(f"unknown task ids {sorted(heldout - known)}; known: {sorted(known)}")
         sets = {s: c[f"{s.lower()}_variations"] for s in SPLIT_NAMES}
-        for s, v in sets.items():
-            if v not in ("train", "dev", "test", "all"):
-                raise ValueError(f"{s.lower()}_variations must be train, dev, test or all, got {v!r}")
         self._splits = _tasks_by_split(heldout, sets)
         if not all(self._splits.values()):
             raise ValueError("every split needs at least one task type")
-        if int(c["heap_max_mb"]) < 64:
-            raise ValueError("heap_max_mb must be at least 64")
-        if int(c["sessions_per_jvm"]) < 1:
-            raise ValueError("sessions_per_jvm must be at least 1")
         self._scale = float(c["reward_scale"])
         self._jvm: _Jvm | None = None
         self._proc = self._server = None

@@ -11,7 +11,8 @@ from collections import OrderedDict
 from functools import lru_cache
 from typing import Any, Mapping
 
-from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, seeded_splits
+from envserve.core.env import REWARD_BOUNDS, ActionOutcome, Environment, EnvSpec, GroundTruth, seeded_splits
+from envserve.core.session import SessionError, full_spec
 from envserve.core.relations import grid_relation, indexed_names
 
 from ..grid_render import Mark, Tile, render_grid
@@ -97,6 +98,27 @@ def _room(static: str, w: int) -> _Room:
     return room
 
 
+# Most boxes per room side. gym-sokoban's generator searches the reverse play of every room (up
+# to 300,000 states a try, 4 tries, then gen_attempts more keys), so its time grows with the floor
+# and steeply with the boxes: {dim_room: 10, num_boxes: 4} takes 6 s median and 19 s for some seeds,
+# {10, 6} 24 s. Measured on a 2-core machine, 30 seeds each at num_gen_steps 40 (the most allowed)
+# and p_change_directions 0.35 or 1.0, the largest config each side allows takes at most 2.7 s
+# (8x8 with 3 boxes: 2.7 s, median 0.3 s; 12x12 with 2: 2.2 s, median 0.2 s; 7x7 with 3: 1.3 s;
+# 6x6 with 4: 0.6 s). Below 5 cells no room generates (4x4 fails for every seed); a 5x5 room
+# with 3 boxes fails for 2 seeds in 10.
+# A room side an operator allowed beyond these (core/limits.py) takes 2 boxes (15x15: 1.6 s); an
+# operator who raises num_boxes' maximum above the built-in one lifts the table: any side then takes
+# up to their maximum.
+MAX_BOXES_BY_DIM = {5: 2, 6: 4, 7: 3, 8: 3, 9: 2, 10: 2, 11: 2, 12: 2}
+_BUILTIN_MAX_BOXES = max(MAX_BOXES_BY_DIM.values())
+
+
+def max_boxes(dim: int) -> int:
+    """The most boxes a room of side dim may have under the bounds in force in this process."""
+    allowed = full_spec(SokobanEnv.spec).config_bounds["num_boxes"].get("maximum", _BUILTIN_MAX_BOXES)
+    return int(allowed) if allowed > _BUILTIN_MAX_BOXES else MAX_BOXES_BY_DIM.get(dim, 2)
+
+
 @lru_cache(maxsize=4096)
 def _generated_layout(seed: int, dim: int, num_boxes: int, steps: int, p_change: float,
                       attempts: int) -> tuple[str, ...]:
@@ -152,6 +174,21 @@ class SokobanEnv(Environment):
             "penalty_for_step": "reward of every valid action",
             "cell_separator": "text put between the cells of a row in the text observation",
         },
+        config_bounds={
+            "dim_room": {"minimum": min(MAX_BOXES_BY_DIM), "maximum": max(MAX_BOXES_BY_DIM)},
+            "num_boxes": {"minimum": 1, "maximum": _BUILTIN_MAX_BOXES},
+            # 40 is the default walk of a 12x12 room; a longer walk opens more floor (12x12 with 2
+            # boxes after 100 steps: 4.3 s for some seeds).
+            "num_gen_steps": {"minimum": 0, "maximum": 40},
+            "p_change_directions": {"minimum": 0.0, "maximum": 1.0},
+            # Failed keys cost a search each: a caller may try fewer, never more.
+            "gen_attempts": {"minimum": 1, "maximum": 20},
+            "reward_box_on_target": REWARD_BOUNDS,
+            "penalty_box_off_target": REWARD_BOUNDS,
+            "reward_finished": REWARD_BOUNDS,
+            "penalty_for_step": REWARD_BOUNDS,
+            "cell_separator": {"maxLength": 4},
+        },
         splits=seeded_splits("generated rooms"),
         default_action_format="free_think",
     )
@@ -164,10 +201,11 @@ class SokobanEnv(Environment):
         self._r_off = float(c["penalty_box_off_target"])
         self._r_done = float(c["reward_finished"])
         self._sep = str(c["cell_separator"])
-        if int(c["dim_room"]) < 3:
-            raise ValueError(f"dim_room must be at least 3, got {c['dim_room']}")
-        if int(c["num_boxes"]) < 1:
-            raise ValueError(f"num_boxes must be at least 1, got {c['num_boxes']}")
+        dim, boxes = int(c["dim_room"]), int(c["num_boxes"])
+        if boxes > max_boxes(dim):
+            raise ValueError(f"num_boxes {boxes} is too many for dim_room {dim}: at most {max_boxes(dim)} (the room "
+                             f"generator's search grows steeply with the boxes; most boxes by dim_room: "
+                             f"{MAX_BOXES_BY_DIM})")
         self._seed: int | None = None
         self._room: _Room | None = None
         self._moves: dict[str, int] = {}  # the room's moves; empty before the first reset
@@ -190,8 +228,13 @@ class SokobanEnv(Environment):
         c = self.config
         dim = int(c["dim_room"])
         steps = int(c["num_gen_steps"]) or int(_gen.GEN_STEPS_PER_SIDE * 2 * dim)
-        self._set_layout(list(_generated_layout(self._seed, dim, int(c["num_boxes"]), steps,
-                                                float(c["p_change_directions"]), int(c["gen_attempts"]))))
+        try:
+            layout = _generated_layout(self._seed, dim, int(c["num_boxes"]), steps, float(c["p_change_directions"]),
+                                       int(c["gen_attempts"]))
+        except RuntimeError as e:  # no room for this seed and config: the task, not the server
+            raise SessionError("FAILED_PRECONDITION", f"{e}; try another seed, fewer boxes or more "
+                                                      f"gen_attempts") from None
+        self._set_layout(list(layout))
 
     def _set_layout(self, rows: list[str]) -> None:
         h, w = len(rows), len(rows[0]) if rows else 0

@@ -153,17 +153,13 @@ class Scorer:
     """The configured metric mix. Raises ValueError for bad weights or a missing learned backend."""
 
     def __init__(self, config: dict) -> None:
+        # Each weight's range, edge_tolerance_px's and pixel_error_clip's are the config schema's
+        # (env.py); their sum is a cross-field rule.
         self.weights = {m: float(config[f"{m}_weight"]) for m in METRICS}
-        if any(w < 0 for w in self.weights.values()):
-            raise ValueError(f"metric weights must be >= 0, got {self.weights}")
         if sum(self.weights.values()) <= 0:
             raise ValueError("at least one metric weight must be above 0")
         self.edge_tolerance = int(config["edge_tolerance_px"])
         self.pixel_clip = float(config["pixel_error_clip"])
-        if self.edge_tolerance < 0:
-            raise ValueError("edge_tolerance_px must be >= 0")
-        if not 0 < self.pixel_clip <= 1:
-            raise ValueError("pixel_error_clip must be in (0, 1]")
         device = str(config["learned_device"])
         self._learned: dict[str, Callable] = {}
         if self.weights["dino"] > 0:

@@ -30,7 +30,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from envserve.common.tables import SELF_PLAY_OPPONENT, TABLE_OPPONENT
-from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, integral_numbers, seeded_splits
+from envserve.core.env import (REWARD_BOUNDS, ActionOutcome, Environment, EnvSpec, GroundTruth, arguments_bounds,
+                               integral_numbers, seeded_splits)
 
 # Games `envserve ls` and the conformance suite try: they run offline, a seed gives the same game
 # in any process, and their text names at least one legal move at the start (the suite plays
@@ -48,6 +49,12 @@ EXAMPLE_GAMES = ("GuessTheNumber-v0", "TowerOfHanoi-v0", "Minesweeper-v0", "Fift
 OPPONENTS = ("random", SELF_PLAY_OPPONENT)
 CONFIG_DEFAULTS = {"kwargs": {}, "success_threshold": 1.0}
 TWO_PLAYER_DEFAULTS = {"opponent": "random", "player_id": 0}
+CONFIG_BOUNDS = {
+    "kwargs": arguments_bounds(),
+    "success_threshold": REWARD_BOUNDS,
+    "opponent": {"enum": [*OPPONENTS, TABLE_OPPONENT]},
+    "player_id": {"minimum": 0, "maximum": 1},
+}
 CONFIG_DOCS = {
     "kwargs": "keyword arguments of textarena.make for this game (board size, max_turns...)",
     "success_threshold": "the episode succeeds when the player's final reward reaches this",
@@ -176,6 +183,7 @@ def make_env_class(name: str) -> type:
         # A move may hold commas ("[2, 3]"): no separator splits it.
         config_defaults={**CONFIG_DEFAULTS, **(TWO_PLAYER_DEFAULTS if two else {}), "action_separator": ""},
         config_docs={k: v for k, v in CONFIG_DOCS.items() if two or k not in TWO_PLAYER_DEFAULTS},
+        config_bounds={k: v for k, v in CONFIG_BOUNDS.items() if two or k not in TWO_PLAYER_DEFAULTS},
         splits=seeded_splits("TextArena reset seeds"),
         supports_snapshot=False,
         seed_varies_start=varies,
@@ -230,8 +238,6 @@ class TextArenaEnv(Environment):
     def __init__(self, config: Mapping[str, Any]):
         super().__init__(config)
         cfg = self.config
-        if not isinstance(cfg["kwargs"], Mapping):
-            raise ValueError(f"kwargs must be an object of textarena.make arguments, got {cfg['kwargs']!r}")
         self._kwargs = integral_numbers(dict(cfg["kwargs"]))
         self._threshold = float(cfg["success_threshold"])
         # The seat the session plays against the built-in opponent; None when it plays every seat.
@@ -240,10 +246,6 @@ class TextArenaEnv(Environment):
             if cfg["opponent"] == TABLE_OPPONENT:
                 raise ValueError("opponent 'session' seats each player as a session of its own, which "
                                  "a server arranges at Open (an even count, two seats per table)")
-            if cfg["opponent"] not in OPPONENTS:
-                raise ValueError(f"opponent must be one of {list(OPPONENTS)}, got {cfg['opponent']!r}")
-            if cfg["player_id"] not in (0, 1):
-                raise ValueError(f"player_id must be 0 or 1, got {cfg['player_id']!r}")
             self._seat = None if cfg["opponent"] == "self" else int(cfg["player_id"])
         try:  # bad kwargs fail here, at Open, rather than at the first reset
             _make(self.game_id, self._kwargs, 0, self.num_players, [None, None])
