@@ -5,7 +5,7 @@ import re
 
 from serverproc import start_cli
 
-_LINE = re.compile(r"envserve web on (http://\S+)")
+_LINE = re.compile(r"envserve web on (https?://\S+)")
 
 
 class WebProcess:

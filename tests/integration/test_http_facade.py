@@ -117,11 +117,14 @@ def test_batches_keep_per_item_statuses_across_replicas(http, replica_a, replica
     assert [r["sessionId"] for r in results] == [sa, missing, sb]
     assert [r["status"]["code"] for r in results] == [0, 5, 0]
     assert "unknown session" in results[1]["status"]["message"]
-    # A session of a replica nobody knows is reported lost, as RoutedClient does; a non-id is unknown.
+    # A session naming a replica the facade never knew is unknown (NOT_FOUND, as a replica says of
+    # an id it never gave), and so is a non-id; only a known replica that is gone loses sessions
+    # (DATA_LOSS: test_routing_through_a_directory).
     body = ok(http.post("/v1/step", json={"items": [
         {"sessionId": "no-such-replica/1234", "action": "x"}, {"sessionId": sb, "action": MOVE.format("Up")},
         {"sessionId": "plainword", "action": "x"}]}))
-    assert [r["status"]["code"] for r in body["results"]] == [15, 0, 5]
+    assert [r["status"]["code"] for r in body["results"]] == [5, 0, 5]
+    assert "unknown session" in body["results"][0]["status"]["message"]
     # Stepping before a reset is the item's own FAILED_PRECONDITION, not the call's.
     with EnvClient(replica_b.address) as b:
         unreset = b.open("sokoban", 1)[0]
@@ -140,7 +143,8 @@ def test_errors_of_whole_calls(http, replica_a):
 
     assert "not served" in error(http.post("/v1/sessions", json={"envId": "nope"}), 404, "NOT_FOUND")
     error(http.get("/v1/envs/nope"), 404, "NOT_FOUND")
-    assert "JSON" in error(http.post("/v1/step", content=b'{"items": [}'), 400, "INVALID_ARGUMENT")
+    assert "JSON" in error(http.post("/v1/step", content=b'{"items": [}', headers={"Content-Type": "application/json"}),
+                           400, "INVALID_ARGUMENT")
     assert "itemz" in error(http.post("/v1/step", json={"itemz": []}), 400, "INVALID_ARGUMENT")
     error(http.post("/v1/reset", json=[1, 2]), 400, "INVALID_ARGUMENT")
     error(http.post("/v1/step", json={"items": [{"sessionId": 5}]}), 400, "INVALID_ARGUMENT")

@@ -80,3 +80,57 @@ def test_untrusted_text_stays_text(browser, web, replica):
         assert browser.execute_script("return document.getElementById('injected')") is None
         assert "owned" not in browser.title
         env.close_sessions([sid])
+
+
+ALICE, MONITOR = "alice-token-1", "monitor-token-2"
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    """A replica with session tokens and a state token that reads every session, and a facade
+    whose monitor token is that state token: the page then needs it."""
+    d = tmp_path_factory.mktemp("live-tokens")
+    (d / "tokens").write_text(f"{ALICE}\n")
+    (d / "state").write_text(f"{MONITOR} name=monitor reads=*\n")
+    (d / "monitor").write_text(f"{MONITOR}\n")
+    with ServerProcess(["sokoban"], workers=1, metrics=False,
+                       extra=["--token-file", str(d / "tokens"), "--state-token-file", str(d / "state")]) as s, \
+            WebProcess.facade([s.address], extra=["--monitor-token-file", str(d / "monitor")]) as w:
+        yield s, w
+
+
+def login_shown(browser):
+    return browser.execute_script("return !document.getElementById('login').hidden")
+
+
+def give_token(browser, token):
+    from selenium.webdriver.common.by import By
+    browser.find_element(By.ID, "token").send_keys(token)
+    browser.find_element(By.ID, "login-go").click()
+
+
+def test_page_asks_for_the_monitor_token_and_keeps_it_for_the_tab(browser, secured):
+    replica, web = secured
+    with EnvClient(replica.address, token=ALICE) as env:
+        sid = env.open("sokoban", 1)[0]
+        env.reset([sid], seeds=[5])
+        check(env.step([(sid, MOVE.format("Left"))])[0])
+        browser.get(web.url + "/")
+        wait_for(browser, lambda: login_shown(browser))
+        assert card_field(browser, sid, "turn") is None  # nothing shown without a token
+        give_token(browser, "not-the-token")
+        wait_for(browser, lambda: login_shown(browser) and "refused" in browser.execute_script(
+            "return document.getElementById('login-why').textContent"))
+        give_token(browser, MONITOR)
+        wait_for(browser, lambda: card_field(browser, sid, "turn") == "1")
+        assert not login_shown(browser)
+        # Kept in sessionStorage, sent as a bearer header: a reload asks nothing.
+        assert browser.execute_script("return sessionStorage.getItem('envserve-live-token')") == MONITOR
+        browser.refresh()
+        wait_for(browser, lambda: card_field(browser, sid, "turn") == "1")
+        assert not login_shown(browser)
+        # Forgotten: asked again, and the sessions leave the page.
+        browser.execute_script("document.getElementById('forget').click()")
+        wait_for(browser, lambda: login_shown(browser) and card_field(browser, sid, "turn") is None)
+        assert browser.execute_script("return sessionStorage.getItem('envserve-live-token')") is None
+        env.close_sessions([sid])

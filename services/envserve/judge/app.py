@@ -26,7 +26,7 @@ from grpc_health.v1._async import HealthServicer
 
 from envserve.rpc.auth import Authenticator
 from envserve.rpc.parsing import add_health_and_reflection, add_service
-from envserve.rpc.serving import server_options
+from envserve.rpc.serving import add_port, server_options
 from envserve.rpc.tls import server_credentials
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
 
@@ -129,11 +129,7 @@ class JudgeServer:
         add_service(pb_grpc.add_JudgeServiceServicer_to_server,
                     JudgeServicer(self.core, Authenticator(self.config.tokens)), self.server)
         add_health_and_reflection(self.server, self.health, (SERVICE_NAME,))
-        bind = f"{self.config.host}:{self.config.port}"
-        credentials = server_credentials(self.config)
-        self.port = self.server.add_secure_port(bind, credentials) if credentials else self.server.add_insecure_port(bind)
-        if self.port == 0:
-            raise OSError(f"cannot bind {bind}")
+        self.port = add_port(self.server, self.config.host, self.config.port, server_credentials(self.config))
         if self.config.metrics_port >= 0:
             self.metrics_port = self.metrics.serve_http(self.config.metrics_host, self.config.metrics_port)
         await self.server.start()

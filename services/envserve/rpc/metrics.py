@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, start_http_server
 
+from .serving import listen_error
+
 
 class MetricsEndpoint:
     """A registry of its own and the HTTP endpoint Prometheus scrapes it on."""
@@ -13,7 +15,10 @@ class MetricsEndpoint:
         self.server = None
 
     def serve_http(self, host: str, port: int) -> int:
-        self.server, _ = start_http_server(port, addr=host, registry=self.registry)
+        try:
+            self.server, _ = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            raise listen_error(host, port, e) from None
         return self.server.server_port
 
     def close(self) -> None:

@@ -1,21 +1,23 @@
 """The HTTP/JSON facade over EnvService, StateService and MonitorService, and the live page.
 
 Bodies and replies are the protocol messages in protobuf's JSON mapping (lowerCamelCase names;
-snake_case is accepted too; bytes such as PNG images are base64). A session opened here is an
-ordinary gRPC session on its replica, so both APIs can drive it. A call that fails as a whole
-answers the HTTP status of its gRPC code with {"code": "NOT_FOUND", "message": ...}; inside
-batches (reset, step, close) each item keeps its own status, as over gRPC.
+snake_case is accepted too; bytes such as PNG images are base64), sent as application/json. A
+session opened here is an ordinary gRPC session on its replica, so both APIs can drive it, with
+the caller's own token (the replica checks it). A call that fails as a whole answers the HTTP
+status of its gRPC code with {"code": "NOT_FOUND", "message": ...}; inside batches (reset, step,
+close) each item keeps its own status, as over gRPC. What a request may be (its size, its
+Content-Type, its JSON) is limits.py's.
 """
 from __future__ import annotations
 
 import asyncio
-import json
+import hmac
 import time
 from contextlib import asynccontextmanager
 from typing import Any
 
 import grpc
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from google.protobuf import json_format
@@ -23,33 +25,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from envserve.client._requests import get_state_request
 from envserve.directory import ReplicaInfo
+from envserve.rpc.auth import owner_of
 from envserve.v1 import envserve_pb2 as pb
 
-from .gateway import ApiError, Gateway, step_failure
+from .gateway import ApiError, Gateway, bearer_token, forwarded, step_failure
+from .limits import HTTP_STATUS, HttpGuard, HttpLimits, error_json, error_response, read_json_body
 from .page import PAGE
 from .routing import ReplicaTable
 
-# gRPC code -> HTTP status, as grpc-gateway and Google's API guidelines map them.
-HTTP_STATUS = {
-    grpc.StatusCode.OK: 200, grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.UNKNOWN: 500,
-    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-    grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.ALREADY_EXISTS: 409,
-    grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.FAILED_PRECONDITION: 400,
-    grpc.StatusCode.ABORTED: 409, grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.UNIMPLEMENTED: 501,
-    grpc.StatusCode.INTERNAL: 500, grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DATA_LOSS: 500,
-}
+INT32 = 2 ** 31  # the protocol's int32 fields (turn, episode, trial, limit)
 # For errors that start on the HTTP side (unknown route, wrong method).
 _CODE_OF_HTTP = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
                  403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
                  405: grpc.StatusCode.UNIMPLEMENTED, 409: grpc.StatusCode.ABORTED,
                  413: grpc.StatusCode.RESOURCE_EXHAUSTED, 415: grpc.StatusCode.INVALID_ARGUMENT,
                  429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
-MAX_BODY_BYTES = 64 * 1024 * 1024  # as the replicas' max gRPC message
-
-
-def error_response(code: grpc.StatusCode, message: str) -> JSONResponse:
-    return JSONResponse({"code": code.name, "message": message}, status_code=HTTP_STATUS.get(code, 500))
 
 
 def to_json(message) -> dict:
@@ -60,34 +50,27 @@ def to_json(message) -> dict:
         return json_format.MessageToDict(message, including_default_value_fields=True)
 
 
-async def parse_body(request: Request, message):
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"body over {MAX_BODY_BYTES} bytes")
-    try:
-        data = json.loads(body or b"{}")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"body is not valid JSON: {e}") from None
+async def parse_body(request: Request, message, limits: HttpLimits):
+    data = await read_json_body(request, limits)
     if not isinstance(data, dict):
         raise ApiError(grpc.StatusCode.INVALID_ARGUMENT,
                        f"body must be a JSON object ({message.DESCRIPTOR.name}), got {type(data).__name__}")
     try:
         return json_format.ParseDict(data, message)
-    except json_format.ParseError as e:
+    except (json_format.ParseError, ValueError, TypeError, OverflowError) as e:
         raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"not a {message.DESCRIPTOR.name}: {e}") from None
 
 
 def _forwarded(request: Request) -> tuple:
     """The caller's credentials, passed on as gRPC metadata."""
-    auth = request.headers.get("authorization")
-    return (("authorization", auth),) if auth else ()
+    return forwarded(request.headers)
 
 
 def add_error_handlers(app: FastAPI) -> None:
     """Errors as {"code", "message"} JSON with the HTTP status of their gRPC code."""
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
-        return error_response(e.code, e.message)
+        return error_json(e)
 
     @app.exception_handler(grpc.RpcError)
     async def _rpc_error(request, e: grpc.RpcError):
@@ -106,13 +89,19 @@ def add_error_handlers(app: FastAPI) -> None:
 
 def create_app(directory_url: str = "", replicas=(), root_certificates: bytes | None = None,
                use_external: bool = False, monitor_token: str | None = None, timeout: float = 60.0,
-               refresh_seconds: float = 1.0, openenv: bool = True, openenv_idle_seconds: float = 300.0) -> FastAPI:
-    """monitor_token: used toward MonitorService when a request brings no Authorization header,
-    so the page (a browser sends no bearer token) can watch replicas that require one.
+               refresh_seconds: float = 1.0, openenv: bool = True, openenv_idle_seconds: float = 300.0,
+               limits: HttpLimits | None = None) -> FastAPI:
+    """monitor_token: the token that shows every replica's sessions on the live page: /v1/live
+    then needs a bearer token, and a caller who presents this one is shown every session (the
+    facade asks MonitorService with it), one who presents another token is shown what the
+    replicas show that token, and a request without a token is refused (401). Without it,
+    /v1/live passes on whatever the caller sends, as every route does.
     openenv: also serve OpenEnv's protocol under /openenv/<env_id>/ (openenv.py); sessions opened
-    there over plain HTTP (no WebSocket) are closed after openenv_idle_seconds without a call."""
+    there over plain HTTP (no WebSocket) are closed after openenv_idle_seconds without a call.
+    limits: what a request may be (limits.HttpLimits: body size, JSON depth, ...)."""
+    limits = limits or HttpLimits()
     table = ReplicaTable(directory_url, replicas, root_certificates, use_external, refresh_seconds, timeout)
-    gateway = Gateway(table, timeout)
+    gateway = Gateway(table, timeout, limits.token_cache_entries)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -125,18 +114,20 @@ def create_app(directory_url: str = "", replicas=(), root_certificates: bytes | 
                   lifespan=lifespan)
     app.state.replicas = table
     app.state.gateway = gateway
+    app.state.limits = limits
     app.state.openenv = None
     if openenv:
         from .openenv import mount_openenv
-        app.state.openenv = mount_openenv(app, gateway, idle_seconds=openenv_idle_seconds)
+        app.state.openenv = mount_openenv(app, gateway, idle_seconds=openenv_idle_seconds, limits=limits)
 
     add_error_handlers(app)
+    app.add_middleware(HttpGuard, limits=limits)
 
     # -- helpers ------------------------------------------------------------------------------------
     fan_out, session_replica = gateway.fan_out, gateway.session_replica
 
     async def batch(request: Request, message, method: str) -> dict:
-        req = await parse_body(request, message)
+        req = await parse_body(request, message, limits)
         md = _forwarded(request)
         items = list(req.items)
 
@@ -189,7 +180,7 @@ def create_app(directory_url: str = "", replicas=(), root_certificates: bytes | 
     async def open_sessions(request: Request):
         """OpenRequest -> OpenResponse, on the least-loaded replica serving the env (all sessions of
         one call on one replica, as a gRPC Open)."""
-        req = await parse_body(request, pb.OpenRequest())
+        req = await parse_body(request, pb.OpenRequest(), limits)
         _, resp = await gateway.open(req, _forwarded(request))
         return to_json(resp)
 
@@ -203,21 +194,22 @@ def create_app(directory_url: str = "", replicas=(), root_certificates: bytes | 
 
     @app.post("/v1/fork")
     async def fork(request: Request):
-        req = await parse_body(request, pb.ForkRequest())
+        req = await parse_body(request, pb.ForkRequest(), limits)
         md = _forwarded(request)
         r = await session_replica(req.session_id, md)
         return to_json(await table.stubs(r).env.Fork(req, timeout=timeout, metadata=md))
 
     @app.post("/v1/close")
     async def close(request: Request):
-        req = await parse_body(request, pb.CloseRequest())
+        req = await parse_body(request, pb.CloseRequest(), limits)
         statuses = await gateway.close_sessions(list(req.session_ids), _forwarded(request))
         return to_json(pb.CloseResponse(statuses=statuses))
 
     # -- StateService ---------------------------------------------------------------------------------
     @app.get("/v1/sessions/{session_id:path}/state")
-    async def get_state(session_id: str, request: Request, turn: int = -1, episode: int | None = None,
-                        trial: int | None = None):
+    async def get_state(session_id: str, request: Request, turn: int = Query(-1, ge=-INT32, lt=INT32),
+                        episode: int | None = Query(None, ge=-INT32, lt=INT32),
+                        trial: int | None = Query(None, ge=-INT32, lt=INT32)):
         md = _forwarded(request)
         r = await session_replica(session_id, md)
         req = get_state_request(session_id, turn, episode, trial)
@@ -225,15 +217,28 @@ def create_app(directory_url: str = "", replicas=(), root_certificates: bytes | 
 
     # -- MonitorService and the page ----------------------------------------------------------------
     @app.get("/v1/live")
-    async def live(request: Request, env_id: str = "", limit: int = 100, images: bool = True):
+    async def live(request: Request, env_id: str = "", limit: int = Query(100, lt=INT32), images: bool = True):
         """Each replica's live sessions with their latest turn (MonitorService.ListSessions)."""
-        md = _forwarded(request) or ((("authorization", f"Bearer {monitor_token}"),) if monitor_token else ())
+        md = _forwarded(request)
+        if monitor_token:
+            presented = bearer_token(md)
+            if presented is None:
+                raise ApiError(grpc.StatusCode.UNAUTHENTICATED,
+                               "the live sessions need a token: send 'Authorization: Bearer <token>' (the monitor "
+                               "token shows every session, a session token its own)")
+            # The monitor's own token goes out, however its header was spelled; any other as sent.
+            if hmac.compare_digest(owner_of(presented), owner_of(monitor_token)):
+                md = (("authorization", f"Bearer {monitor_token}"),)
         if limit < 0:
             raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"limit must be >= 0, got {limit}")
         targets = table.watch_targets(await table.listed())
         req = pb.ListSessionsRequest(env_id=env_id, limit=limit, include_images=images)
         replies = await asyncio.gather(*[table.stubs_at(a, tls).monitor.ListSessions(req, timeout=timeout, metadata=md)
                                          for a, tls, _ in targets], return_exceptions=True)
+        refused = {rep.code() for rep in replies if isinstance(rep, grpc.RpcError)}
+        if replies and len(refused) == 1 and all(isinstance(rep, grpc.RpcError) for rep in replies) \
+                and refused & {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}:
+            raise replies[0]  # every replica refused the caller's token alike: the call's answer
         out = []
         for (address, _, info), rep in zip(targets, replies):
             entry = _replica_json(table, info) if info is not None else {

@@ -13,9 +13,12 @@ from typing import Any, Callable
 import grpc
 
 from envserve.common.errors import ApiError  # noqa: F401 (the facade's callers import it from here)
+from envserve.common.lru import IdleLRU
 from envserve.directory import ReplicaInfo, replica_of
+from envserve.rpc.auth import BEARER, owner_of
 from envserve.v1 import envserve_pb2 as pb
 
+from .limits import TOKEN_CACHE_ENTRIES
 from .routing import ReplicaTable
 
 log = logging.getLogger("envserve.web")
@@ -28,11 +31,42 @@ _TRY_NEXT = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, gr
              grpc.StatusCode.CANCELLED)
 
 
+def bearer_token(md) -> str | None:
+    """The token of a caller's 'authorization: Bearer <token>' metadata, read as a replica reads it."""
+    for key, value in md:
+        if key == "authorization":
+            return value[len(BEARER):].strip() if value.lower().startswith(BEARER) else None
+    return None
+
+
+def forwarded(headers) -> tuple:
+    """The caller's credentials (its Authorization header), as the gRPC metadata every call on
+    its behalf carries. gRPC carries printable ASCII only: another header is refused here, as a
+    gRPC client could not have sent it."""
+    auth = headers.get("authorization")
+    if auth is None:
+        return ()
+    if not auth.isascii() or not auth.isprintable():
+        raise ApiError(grpc.StatusCode.UNAUTHENTICATED,
+                       "the Authorization header must be 'Bearer <token>' in printable ASCII")
+    return (("authorization", auth),)
+
+
 class Gateway:
-    def __init__(self, table: ReplicaTable, timeout: float = 60.0):
+    def __init__(self, table: ReplicaTable, timeout: float = 60.0, token_cache_entries: int = TOKEN_CACHE_ENTRIES):
         self.table = table
         self.timeout = timeout
-        self._batchers: dict[tuple, Batcher] = {}
+        # One batcher per replica and caller token: tokens come and go, so the idle ones that
+        # were used least recently make room (a busy one is never dropped with its callers).
+        self._batchers: IdleLRU[Batcher] = IdleLRU(token_cache_entries, Batcher.idle)
+
+    @staticmethod
+    def owner(md) -> str:
+        """Whose sessions a caller's calls may touch: the digest of its bearer token, as the
+        replica keeps it ("" without a token). The replica checks the token itself on every call
+        it gets; this is for what the facade answers alone (an OpenEnv session's state)."""
+        token = bearer_token(md)
+        return owner_of(token) if token is not None else ""
 
     async def close(self) -> None:
         self._batchers.clear()
@@ -63,13 +97,21 @@ class Gateway:
 
     async def session_replica(self, session_id: str, md) -> ReplicaInfo:
         rid = replica_of(session_id)
-        if not rid:
-            raise ApiError(grpc.StatusCode.NOT_FOUND, f"unknown session {session_id!r}: not an envserve session id")
-        r = await self.table.find(rid, md)
+        r = await self.table.find(rid, md) if rid else None
         if r is None:
-            raise ApiError(grpc.StatusCode.DATA_LOSS,
-                           f"session lost: its replica {rid!r} is gone (not in the directory or replica list)")
+            code, message = self.missing(session_id, rid)
+            raise ApiError(code, message)
         return r
+
+    def missing(self, session_id: str, rid: str) -> tuple[grpc.StatusCode, str]:
+        """Why no replica answers for a session id: a replica this facade knew and that is gone
+        lost it (DATA_LOSS: a routed client rebuilds it elsewhere); any other id is unknown, as a
+        replica says of an id it never gave (NOT_FOUND)."""
+        if not rid:
+            return grpc.StatusCode.NOT_FOUND, f"unknown session {session_id!r}: not an envserve session id"
+        if self.table.was_known(rid):
+            return grpc.StatusCode.DATA_LOSS, f"session lost: its replica {rid!r} is gone (not in the directory or replica list)"
+        return grpc.StatusCode.NOT_FOUND, f"unknown session {session_id!r}: no replica {rid!r} is known here"
 
     async def open(self, req: pb.OpenRequest, md) -> tuple[ReplicaInfo, pb.OpenResponse]:
         """OpenRequest on the least-loaded replica serving the env (all sessions of one call on one
@@ -117,12 +159,7 @@ class Gateway:
             r = await table.find(rid, md) if rid else None
             if r is None:
                 for i in indices:
-                    if rid:
-                        results[i] = make_failure(ids[i], grpc.StatusCode.DATA_LOSS,
-                                                  f"session lost: its replica {rid!r} is gone")
-                    else:
-                        results[i] = make_failure(ids[i], grpc.StatusCode.NOT_FOUND,
-                                                  f"unknown session {ids[i]!r}: not an envserve session id")
+                    results[i] = make_failure(ids[i], *self.missing(ids[i], rid))
                 continue
             parts.append((r, indices))
         replies = await asyncio.gather(*[call(r, indices) for r, indices in parts], return_exceptions=True)
@@ -156,10 +193,7 @@ class Gateway:
         """Where single steps and resets for replica r go, for callers with credentials md (a
         session belongs to the token that opened it, so each token has its own batches)."""
         key = (self.table.address_of(r), r.tls, tuple(md))
-        b = self._batchers.get(key)
-        if b is None:
-            b = self._batchers[key] = Batcher(self.table.stubs(r).env, md, self.timeout)
-        return b
+        return self._batchers.get(key, lambda: Batcher(self.table.stubs(r).env, md, self.timeout))
 
 
 def step_failure(sid: str, code: grpc.StatusCode, message: str) -> pb.StepResult:
@@ -186,6 +220,10 @@ class Batcher:
         self._steps: list[tuple[pb.StepItem, asyncio.Future]] = []
         self._resets: list[tuple[pb.ResetItem, asyncio.Future]] = []
         self._scheduled = False
+
+    def idle(self) -> bool:
+        """Nothing waits to go and nothing is out: dropping it loses no caller's item."""
+        return not (self._busy or self._steps or self._resets or self._scheduled)
 
     def _flush(self) -> None:
         self._scheduled = False

@@ -21,6 +21,9 @@ Each environment is an OpenEnv "base URL" of its own: http://HOST:PORT/openenv/<
   comes back as an error message, {"message", "code"} with OpenEnv's codes, and the socket stays.
   `?session_id=ID` attaches the socket to a session opened over HTTP instead (closing that
   socket leaves the session open).
+- A session belongs to the token that opened it, as over gRPC: every call on it, over HTTP or a
+  socket, goes out with the caller's own credentials, and a caller with another token is refused
+  (PERMISSION_DENIED; UNAUTHENTICATED without one) before anything happens to the session.
 - HTTP <base>/reset, /step, /state: OpenEnv's own server makes a throwaway environment per HTTP
   request; here /reset opens a session (or resets the one named by `session_id` in the body) and
   says its id in metadata.session_id; /step and /state name it (`session_id` in the body, or the
@@ -36,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
+import hmac
 import json
 import logging
 import time
@@ -52,7 +56,8 @@ from envserve.directory import ReplicaInfo
 from envserve.rpc.values import status_code
 from envserve.v1 import envserve_pb2 as pb
 
-from .gateway import ApiError, Gateway
+from .gateway import ApiError, Gateway, forwarded
+from .limits import HttpLimits, parse_json, read_json_body
 
 log = logging.getLogger("envserve.web.openenv")
 
@@ -64,10 +69,8 @@ try:  # orjson encodes a step's reply in a fifth of json's time (the web extra i
             return orjson.dumps(obj).decode()
         except TypeError:  # what orjson refuses (ints past 64 bits, non-str keys), json writes
             return json.dumps(obj)
-
-    _loads = orjson.loads
 except ImportError:  # pragma: no cover - without the web extra's orjson
-    _dumps, _loads = json.dumps, json.loads
+    _dumps = json.dumps
 
 # OpenEnv's error codes (openenv.core.env_server.types.WSErrorCode).
 INVALID_JSON, UNKNOWN_TYPE, VALIDATION_ERROR = "INVALID_JSON", "UNKNOWN_TYPE", "VALIDATION_ERROR"
@@ -154,13 +157,17 @@ _SCHEMA = {"action": EnvServeAction.model_json_schema(), "observation": EnvServe
 
 # -- sessions ---------------------------------------------------------------------------------------
 class Session:
-    __slots__ = ("env_id", "session_id", "replica", "md", "config", "action_format", "system_prompt",
+    __slots__ = ("env_id", "session_id", "replica", "owner", "reap_md", "config", "action_format", "system_prompt",
                  "episode_id", "step_count", "turn", "episode", "done", "episode_return", "last_used",
                  "sockets", "http")
 
-    def __init__(self, env_id: str, session_id: str, replica: ReplicaInfo, md: tuple, config: dict,
-                 action_format: str, system_prompt: str, http: bool):
-        self.env_id, self.session_id, self.replica, self.md = env_id, session_id, replica, md
+    def __init__(self, env_id: str, session_id: str, replica: ReplicaInfo, owner: str, reap_md: tuple,
+                 config: dict, action_format: str, system_prompt: str, http: bool):
+        # owner: the opener's token digest ("" without a token). reap_md: the opener's credentials,
+        # kept only to close the session when it idles out or the endpoint stops; every call a
+        # caller makes goes out with that caller's own.
+        self.env_id, self.session_id, self.replica = env_id, session_id, replica
+        self.owner, self.reap_md = owner, reap_md
         self.config, self.action_format, self.system_prompt = config, action_format, system_prompt
         self.episode_id: Optional[str] = None
         self.step_count = self.turn = self.episode = 0
@@ -220,8 +227,8 @@ def _reset_options(data: Any) -> dict:
     if not isinstance(data, dict):
         raise OpenEnvError(VALIDATION_ERROR, f"reset data must be an object, got {type(data).__name__}")
     seed = data.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise OpenEnvError(VALIDATION_ERROR, f"seed must be a whole number >= 0, got {seed!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63):
+        raise OpenEnvError(VALIDATION_ERROR, f"seed must be a whole number 0..2**63-1, got {seed!r}")
     for key in ("task_id", "split", "action_format", "episode_id"):
         v = data.get(key)
         if v is not None and not isinstance(v, str):
@@ -234,40 +241,62 @@ def _reset_options(data: Any) -> dict:
 
 class OpenEnvSessions:
     """The endpoint's sessions: those of the sockets, and those opened over HTTP (kept in
-    `http_sessions`, reclaimed after idle_seconds without a call)."""
+    `http_sessions`, at most limits.openenv_max_http_sessions of them, reclaimed after
+    idle_seconds without a call)."""
 
-    def __init__(self, gateway: Gateway, idle_seconds: float = 300.0):
+    def __init__(self, gateway: Gateway, idle_seconds: float = 300.0, limits: HttpLimits | None = None):
         self.gateway = gateway
         self.idle_seconds = idle_seconds
+        self.limits = limits or HttpLimits()
         self.http_sessions: dict[str, Session] = {}
+        self._opening = 0  # HTTP sessions being opened: counted against the limit already
         self._reaper: asyncio.Task | None = None
 
     # -- envserve calls -----------------------------------------------------------------------------
     async def open(self, env_id: str, md: tuple, config: dict | None = None, action_format: str = "",
-                   http: bool = False) -> Session:
+                   http: bool = False, replacing: bool = False) -> Session:
+        """replacing: the new HTTP session takes the place of one about to close (a reset with
+        another config), so it needs no room of its own."""
+        try:
+            owner = self.gateway.owner(md)
+        except ApiError as e:
+            raise _from_api(e, opening=True) from None
+        counted = http and not replacing
+        if counted:
+            limit = self.limits.openenv_max_http_sessions
+            if len(self.http_sessions) + self._opening >= limit:
+                raise OpenEnvError(CAPACITY_REACHED, f"this endpoint holds {limit} sessions opened over HTTP, "
+                                                     "its limit: close some (POST /close) or use the WebSocket",
+                                   grpc.StatusCode.RESOURCE_EXHAUSTED)
+            self._opening += 1
         try:
             replica, resp = await self.gateway.open(open_request(env_id, 1, config, action_format or ""), md)
         except (ApiError, grpc.RpcError) as e:
             raise _from_api(e, opening=True) from None
-        s = Session(env_id, resp.session_ids[0], replica, md, dict(config or {}), action_format or "",
+        finally:
+            if counted:
+                self._opening -= 1
+        s = Session(env_id, resp.session_ids[0], replica, owner, md, dict(config or {}), action_format or "",
                     resp.system_prompt, http)
         if http:
             self.http_sessions[s.session_id] = s
             self._start_reaper()
         return s
 
-    async def close(self, s: Session) -> None:
+    async def close(self, s: Session, md: tuple) -> None:
+        """Closes s with the credentials md (its owner's: a caller's, checked, or the opener's
+        when the endpoint reclaims it)."""
         self.http_sessions.pop(s.session_id, None)
         try:
-            await self.gateway.close_sessions([s.session_id], s.md)
+            await self.gateway.close_sessions([s.session_id], md)
         except (ApiError, grpc.RpcError) as e:
             log.info("closing %s: %s", s.session_id, e)
 
     async def _call(self, s: Session, md: tuple, step: str | None = None,
                     reset: pb.ResetItem | None = None) -> pb.StepResult:
         s.last_used = time.monotonic()
-        batcher = self.gateway.batcher(s.replica, md)
         try:
+            batcher = self.gateway.batcher(s.replica, md)
             r = await (batcher.step(s.session_id, step) if reset is None else batcher.reset(reset))
         except (ApiError, grpc.RpcError) as e:
             raise _from_api(e) from None
@@ -284,9 +313,9 @@ class OpenEnvSessions:
         config, fmt = opts.get("config"), opts.get("action_format")
         if (config is not None and config != s.config) or (fmt is not None and fmt != s.action_format):
             new = await self.open(s.env_id, md, config if config is not None else s.config,
-                                  fmt if fmt is not None else s.action_format, http=s.http)
+                                  fmt if fmt is not None else s.action_format, http=s.http, replacing=True)
             new.sockets = s.sockets  # a socket attached to the old HTTP session holds the new one
-            await self.close(s)
+            await self.close(s, md)
             s = new
         item = reset_item(s.session_id, opts.get("seed"), opts.get("task_id") or "", opts.get("split") or "",
                           bool(opts.get("same_task", False)))
@@ -304,7 +333,11 @@ class OpenEnvSessions:
         return observation_payload(s, r)
 
     # -- HTTP sessions ------------------------------------------------------------------------------
-    def http_session(self, env_id: str, session_id: Any) -> Session:
+    def http_session(self, env_id: str, session_id: Any, md: tuple) -> Session:
+        """The HTTP session a call names, for a caller with credentials md: checked as a replica
+        checks a gRPC call (the caller's token first, then the session, then that the session
+        is the caller's), before anything happens to it."""
+        caller = self.gateway.owner(md)  # a replica's own endpoint refuses a missing or unknown token here
         if not isinstance(session_id, str) or not session_id:
             raise ApiError(grpc.StatusCode.INVALID_ARGUMENT,
                            "name the session: `session_id`, as /reset returned it in metadata.session_id "
@@ -314,6 +347,12 @@ class OpenEnvSessions:
             raise ApiError(grpc.StatusCode.NOT_FOUND,
                            f"unknown session {session_id!r}: not opened here over HTTP, closed, or reclaimed "
                            f"after {self.idle_seconds:g} s without a call")
+        # Opened without a token: no token guards it (the replica took an Open without one).
+        if s.owner and not hmac.compare_digest(s.owner, caller):
+            if not caller:
+                raise ApiError(grpc.StatusCode.UNAUTHENTICATED,
+                               "missing bearer token: send 'Authorization: Bearer <token>'")
+            raise ApiError(grpc.StatusCode.PERMISSION_DENIED, f"session {session_id!r} belongs to another token")
         if s.env_id != env_id:
             raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"session {session_id!r} is a {s.env_id!r} session, "
                                                              f"not {env_id!r}")
@@ -333,7 +372,7 @@ class OpenEnvSessions:
             for s in idle:
                 if self.http_sessions.get(s.session_id) is s:
                     log.info("reclaiming idle OpenEnv session %s (%s)", s.session_id, s.env_id)
-                    await self.close(s)
+                    await self.close(s, s.reap_md)
 
     async def close_all(self) -> None:
         if self._reaper is not None:
@@ -341,23 +380,11 @@ class OpenEnvSessions:
         sessions = list(self.http_sessions.values())
         self.http_sessions.clear()
         for s in sessions:
-            await self.close(s)
+            await self.close(s, s.reap_md)
 
 
-
-def _md(headers) -> tuple:
-    auth = headers.get("authorization")
-    return (("authorization", auth),) if auth else ()
-
-
-async def _json_body(request: Request) -> dict:
-    body = await request.body()
-    if not body:
-        return {}
-    try:
-        data = json.loads(body)
-    except ValueError as e:
-        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"body is not valid JSON: {e}") from None
+async def _json_body(request: Request, limits: HttpLimits) -> dict:
+    data = await read_json_body(request, limits)
     if not isinstance(data, dict):
         raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "body must be a JSON object")
     return data
@@ -368,11 +395,13 @@ def _as_api(e: OpenEnvError) -> ApiError:
 
 
 def mount_openenv(app: FastAPI, gateway: Gateway, idle_seconds: float = 300.0,
-                  prefix: str = "/openenv") -> OpenEnvSessions:
+                  prefix: str = "/openenv", limits: HttpLimits | None = None) -> OpenEnvSessions:
     """Adds OpenEnv's routes for every env under prefix/<env_id>/ to app: the facade's, over its
     replicas, or a replica's own (envserve.server.openenv_front.LocalGateway, no gRPC hop)."""
-    sessions = OpenEnvSessions(gateway, idle_seconds)
+    limits = limits or HttpLimits()
+    sessions = OpenEnvSessions(gateway, idle_seconds, limits)
     base = prefix + "/{env_id}"
+    depth = limits.max_json_depth
 
     spec = gateway.spec
 
@@ -380,7 +409,6 @@ def mount_openenv(app: FastAPI, gateway: Gateway, idle_seconds: float = 300.0,
     @app.websocket(base + "/ws")
     async def openenv_ws(websocket: WebSocket, env_id: str):
         await websocket.accept()
-        md = _md(websocket.headers)
         s: Session | None = None
         owned = False
 
@@ -388,14 +416,20 @@ def mount_openenv(app: FastAPI, gateway: Gateway, idle_seconds: float = 300.0,
             await websocket.send_text(_dumps({"type": kind, "data": data}))
 
         try:
-            attach = websocket.query_params.get("session_id")
             try:
+                md = forwarded(websocket.headers)
+                attach = websocket.query_params.get("session_id")
                 if attach:
-                    s = sessions.http_session(env_id, attach)
+                    s = sessions.http_session(env_id, attach, md)
                     s.sockets += 1
                 else:
                     q = websocket.query_params
-                    config = json.loads(q["config"]) if q.get("config") else None
+                    try:
+                        config = parse_json(q["config"], depth, "config") if q.get("config") else None
+                    except ApiError as e:
+                        raise OpenEnvError(VALIDATION_ERROR, e.message) from None
+                    if config is not None and not isinstance(config, dict):
+                        raise OpenEnvError(VALIDATION_ERROR, f"config must be a JSON object, got {q['config'][:200]}")
                     s = await sessions.open(env_id, md, config, q.get("action_format", ""))
                     owned = True
             except ApiError as e:
@@ -404,18 +438,18 @@ def mount_openenv(app: FastAPI, gateway: Gateway, idle_seconds: float = 300.0,
             except OpenEnvError as e:
                 await send("error", e.data())
                 return
-            except ValueError as e:
-                await send("error", {"message": f"config is not JSON: {e}", "code": VALIDATION_ERROR})
-                return
             while True:
                 msg = await websocket.receive()
                 if msg["type"] == "websocket.disconnect":
                     break
                 raw = msg.get("text")
                 if raw is None:
-                    raw = (msg.get("bytes") or b"").decode("utf-8", "replace")
+                    raw = msg.get("bytes") or b""
                 try:
-                    message = _loads(raw)
+                    try:
+                        message = parse_json(raw, depth)
+                    except ApiError as e:
+                        raise OpenEnvError(INVALID_JSON, f"Invalid JSON: {e.message}") from None
                     if not isinstance(message, dict):
                         raise OpenEnvError(VALIDATION_ERROR, "a message is a JSON object with a `type`")
                     kind = message.get("type", "")
@@ -434,20 +468,19 @@ def mount_openenv(app: FastAPI, gateway: Gateway, idle_seconds: float = 300.0,
                         raise OpenEnvError(UNKNOWN_TYPE, f"Unknown message type: {kind}")
                 except OpenEnvError as e:
                     await send("error", e.data())
-                except ValueError as e:
-                    await send("error", {"message": f"Invalid JSON: {e}", "code": INVALID_JSON})
         except WebSocketDisconnect:
             pass
         except Exception as e:  # noqa: BLE001 - say why before the socket goes
             log.exception("OpenEnv socket for %s failed", env_id)
             try:
-                await send("error", {"message": f"{type(e).__name__}: {e}", "code": EXECUTION_ERROR})
+                await send("error", {"message": f"{type(e).__name__}: {e}", "code": EXECUTION_ERROR,
+                                     "status": grpc.StatusCode.INTERNAL.name})
             except Exception:  # noqa: BLE001
                 pass
         finally:
             if s is not None:
                 if owned:
-                    await sessions.close(s)
+                    await sessions.close(s, md)
                 else:
                     s.sockets -= 1
                     s.last_used = time.monotonic()
@@ -459,13 +492,14 @@ def mount_openenv(app: FastAPI, gateway: Gateway, idle_seconds: float = 300.0,
     # -- HTTP -----------------------------------------------------------------------------------
     @app.post(base + "/reset")
     async def openenv_reset(env_id: str, request: Request):
-        body = await _json_body(request)
-        md = _md(request.headers)
+        body = await _json_body(request, limits)
+        md = forwarded(request.headers)
         try:
+            opts = _reset_options(body)
             if body.get("session_id"):
-                s = sessions.http_session(env_id, body["session_id"])
+                s = sessions.http_session(env_id, body["session_id"], md)
             else:
-                s = await sessions.open(env_id, md, body.get("config"), body.get("action_format") or "", http=True)
+                s = await sessions.open(env_id, md, opts.get("config"), opts.get("action_format") or "", http=True)
             _, payload = await sessions.reset(s, md, body)
         except OpenEnvError as e:
             raise _as_api(e) from None
@@ -473,35 +507,38 @@ def mount_openenv(app: FastAPI, gateway: Gateway, idle_seconds: float = 300.0,
 
     @app.post(base + "/step")
     async def openenv_step(env_id: str, request: Request):
-        body = await _json_body(request)
-        s = sessions.http_session(env_id, body.get("session_id"))
+        body = await _json_body(request, limits)
+        md = forwarded(request.headers)
+        s = sessions.http_session(env_id, body.get("session_id"), md)
         if "action" not in body:
             raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, 'a step is {"action": {"message": "..."}, "session_id": ...}')
         try:
-            return await sessions.step(s, _md(request.headers), body["action"])
+            return await sessions.step(s, md, body["action"])
         except OpenEnvError as e:
             raise _as_api(e) from None
 
     @app.get(base + "/state")
-    async def openenv_state(env_id: str, session_id: str = ""):
-        s = sessions.http_session(env_id, session_id)
+    async def openenv_state(env_id: str, request: Request, session_id: str = ""):
+        s = sessions.http_session(env_id, session_id, forwarded(request.headers))
         s.last_used = time.monotonic()
         return s.state()
 
     @app.post(base + "/close")
     async def openenv_close(env_id: str, request: Request):
-        s = sessions.http_session(env_id, (await _json_body(request)).get("session_id"))
-        await sessions.close(s)
+        body = await _json_body(request, limits)
+        md = forwarded(request.headers)
+        s = sessions.http_session(env_id, body.get("session_id"), md)
+        await sessions.close(s, md)
         return {"session_id": s.session_id, "closed": True}
 
     @app.get(base + "/health")
     async def openenv_health(env_id: str, request: Request):
-        await gateway.serving(env_id, _md(request.headers))
+        await gateway.serving(env_id, forwarded(request.headers))
         return {"status": "healthy"}
 
     @app.get(base + "/schema")
     async def openenv_schema(env_id: str, request: Request):
-        sp = await spec(env_id, _md(request.headers))
+        sp = await spec(env_id, forwarded(request.headers))
         schema = copy.deepcopy(_SCHEMA)
         schema["action"]["properties"]["message"]["description"] = (
             f"The agent's whole answer in the session's action format (default {sp.default_action_format}; "
@@ -510,7 +547,7 @@ def mount_openenv(app: FastAPI, gateway: Gateway, idle_seconds: float = 300.0,
 
     @app.get(base + "/metadata")
     async def openenv_metadata(env_id: str, request: Request):
-        sp = await spec(env_id, _md(request.headers))
+        sp = await spec(env_id, forwarded(request.headers))
         return {"name": sp.env_id, "description": sp.description, "readme_content": sp.system_prompt,
                 "version": __version__, "author": "envserve", "documentation_url": None}
 

@@ -3,6 +3,9 @@
 Everything shown comes from agents and environments, so it is untrusted: the script only ever
 sets textContent and attributes, never HTML, and images are data: URLs of base64 PNGs. The page
 loads nothing from the network (no CDN) and needs no build step.
+
+Where /v1/live answers 401 (the facade has a monitor token), the page asks for a token, keeps it
+in sessionStorage (this tab only, gone when it closes) and sends it as `Authorization: Bearer`.
 """
 
 PAGE = """<!doctype html>
@@ -46,6 +49,10 @@ PAGE = """<!doctype html>
   dl.nums { display: grid; grid-template-columns: repeat(4, auto); gap: 0 .6rem; margin: .4rem 0; }
   dl.nums dt { color: var(--muted); font-size: 11px; } dl.nums dd { margin: 0; font-variant-numeric: tabular-nums; }
   .last-action { background: var(--bg); padding: .3rem; max-height: 6em; }
+  form#login { display: flex; gap: .5rem; align-items: baseline; flex-wrap: wrap; margin-bottom: 1rem; }
+  form#login[hidden] { display: none; }
+  #login-why { color: var(--muted); flex-basis: 100%; }
+  #forget[hidden] { display: none; }
 </style>
 </head>
 <body>
@@ -53,8 +60,17 @@ PAGE = """<!doctype html>
   <h1>envserve &middot; live sessions</h1>
   <nav id="envs"></nav>
   <span id="status">loading&hellip;</span>
+  <button id="forget" type="button" hidden>forget token</button>
 </header>
-<main id="replicas"></main>
+<main>
+<form id="login" hidden>
+  <span id="login-why"></span>
+  <label for="token">token</label>
+  <input id="token" type="password" autocomplete="off" size="40">
+  <button id="login-go" type="submit">watch</button>
+</form>
+<div id="replicas"></div>
+</main>
 <script>
 "use strict";
 const params = new URLSearchParams(location.search);
@@ -65,6 +81,50 @@ const statusEl = document.getElementById("status");
 const sections = new Map();  // replicaId -> {el, title, info, error, grid, cards: Map(sessionId -> card)}
 const knownEnvs = new Set();
 const BASE64 = /^[A-Za-z0-9+/]*={0,2}$/;
+const TOKEN_KEY = "envserve-live-token";
+const login = document.getElementById("login");
+const tokenInput = document.getElementById("token");
+const forget = document.getElementById("forget");
+let timer = null;
+let given = "";  // the token, where sessionStorage is off
+
+function storedToken() {
+  try { return sessionStorage.getItem(TOKEN_KEY) || given; } catch (e) { return given; }
+}
+
+function dropToken() {
+  given = "";
+  try { sessionStorage.removeItem(TOKEN_KEY); } catch (e) { /* nothing kept */ }
+}
+
+function askToken(why) {
+  // Polling stops until a token is given: the form's submit starts it again.
+  document.getElementById("login-why").textContent = why;
+  login.hidden = false;
+  forget.hidden = true;
+  statusEl.textContent = "a token is needed";
+  statusEl.className = "err";
+  tokenInput.focus();
+}
+
+login.addEventListener("submit", ev => {
+  ev.preventDefault();
+  const t = tokenInput.value.trim();
+  if (!t) return;
+  given = t;
+  try { sessionStorage.setItem(TOKEN_KEY, t); } catch (e) { /* storage off: kept in this page only */ }
+  tokenInput.value = "";
+  login.hidden = true;
+  poll();
+});
+
+forget.addEventListener("click", () => {
+  dropToken();
+  clearTimeout(timer);
+  root.replaceChildren();
+  sections.clear();
+  askToken("token forgotten; enter one to watch again");
+});
 
 function make(tag, cls, text) {
   const e = document.createElement(tag);
@@ -188,12 +248,21 @@ function renderEnvs() {
 }
 
 async function poll() {
+  const token = storedToken();
   try {
     const q = new URLSearchParams({images: "true", limit});
     if (envFilter) q.set("env_id", envFilter);
-    const resp = await fetch("v1/live?" + q, {cache: "no-store"});
+    const headers = token ? {"Authorization": "Bearer " + token} : {};
+    const resp = await fetch("v1/live?" + q, {cache: "no-store", headers});
     const body = await resp.json();
+    // 401: no token or one nobody knows; 403 with a token: one that may not watch.
+    if (resp.status === 401 || (resp.status === 403 && token)) {
+      dropToken();
+      askToken((token ? "that token was refused: " : "this page needs a token: ") + (body.message || ""));
+      return;
+    }
     if (!resp.ok) throw new Error((body.code || resp.status) + ": " + (body.message || ""));
+    forget.hidden = !token;
     render(body);
     statusEl.textContent = "updated " + new Date().toLocaleTimeString();
     statusEl.className = "";
@@ -201,7 +270,7 @@ async function poll() {
     statusEl.textContent = "error: " + e.message;
     statusEl.className = "err";
   }
-  setTimeout(poll, 1000);
+  timer = setTimeout(() => poll(), 1000);
 }
 poll();
 </script>

@@ -1,25 +1,48 @@
 """A replica's own OpenEnv endpoint (`envserve serve --openenv-port`): envserve.web.openenv's routes
 under /openenv, on host:port, answered by a gateway over the replica's own sessions (the server's
-LocalGateway, handed in by the command line, so this module needs nothing of the server's)."""
+LocalGateway, handed in by the command line, so this module needs nothing of the server's). It
+takes the replica's limits and TLS files from the replica's config."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 
 
+def limits_of(config):
+    """The HTTP limits a replica's config sets (a ServerConfig, or anything with those names)."""
+    from .limits import HttpLimits
+    defaults = HttpLimits()
+    return HttpLimits(max_body_bytes=getattr(config, "max_body_bytes", defaults.max_body_bytes),
+                      openenv_max_http_sessions=getattr(config, "openenv_max_http_sessions",
+                                                        defaults.openenv_max_http_sessions),
+                      allow_plain_http_tokens=getattr(config, "allow_plain_http_tokens", False))
+
+
+def tls_of(config):
+    """The replica's TLS files, which its HTTP fronts serve as its gRPC port does (None: plain)."""
+    from .server import TlsFiles
+    return TlsFiles.of(getattr(config, "tls_cert_file", ""), getattr(config, "tls_key_file", ""),
+                       getattr(config, "tls_client_ca_file", ""))
+
+
 class OpenEnvEndpoint:
     """An app with the OpenEnv routes over `gateway`, served on host:port in the running loop."""
 
-    def __init__(self, gateway, host: str, port: int, idle_seconds: float = 300.0):
+    def __init__(self, gateway, host: str, port: int, idle_seconds: float = 300.0, config=None):
         from fastapi import FastAPI
 
         from .app import add_error_handlers
+        from .limits import HttpGuard
         from .openenv import mount_openenv
         from .server import bind
         self.gateway = gateway
+        self.limits = limits_of(config)
+        self.tls = tls_of(config)
         self.app = FastAPI(title="envserve OpenEnv endpoint")
+        self.app.state.limits = self.limits
         add_error_handlers(self.app)
-        self.sessions = mount_openenv(self.app, gateway, idle_seconds=idle_seconds)
+        self.app.add_middleware(HttpGuard, limits=self.limits)
+        self.sessions = mount_openenv(self.app, gateway, idle_seconds=idle_seconds, limits=self.limits)
         self.sock = bind(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
         self._server = None
@@ -27,12 +50,16 @@ class OpenEnvEndpoint:
 
     def start(self) -> None:
         from .server import start_on_loop
-        self._server, self._task = start_on_loop(self.app, self.sock)
+        try:
+            self._server, self._task = start_on_loop(self.app, self.sock, self.tls)
+        except BaseException:
+            self.sock.close()
+            raise
 
     @property
     def url(self) -> str:
         from .server import display
-        return display(self.host, self.port) + "/openenv"
+        return display(self.host, self.port, self.tls is not None) + "/openenv"
 
     async def stop(self) -> None:
         if self._server is not None:

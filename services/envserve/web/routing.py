@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import OrderedDict
 
 import grpc
 
@@ -21,6 +22,7 @@ from envserve.v1 import envserve_pb2 as pb
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger("envserve.web")
+REMEMBERED_REPLICAS = 4096  # ids of replicas seen, to tell a lost session from an unknown one
 
 
 @dataclasses.dataclass
@@ -54,6 +56,9 @@ class ReplicaTable:
         self._lock = asyncio.Lock()
         self._stubs: dict[tuple[str, bool], Stubs] = {}
         self._turn = 0
+        # Every replica id listed or asked so far, the latest REMEMBERED_REPLICAS of them: a session
+        # naming one of these that is gone was lost with it; one naming any other is unknown.
+        self._seen: OrderedDict[str, None] = OrderedDict()
 
     # -- the table -----------------------------------------------------------------------------
     async def replicas(self, metadata=(), refresh: bool = False) -> list[ReplicaInfo]:
@@ -69,7 +74,19 @@ class ReplicaTable:
         known = {r.replica_id: r for r in listed}
         for info in self._fixed.values():
             known.setdefault(info.replica_id, info)
+        for rid in known:
+            self._remember(rid)
         return list(known.values())
+
+    def _remember(self, replica_id: str) -> None:
+        self._seen[replica_id] = None
+        self._seen.move_to_end(replica_id)
+        while len(self._seen) > REMEMBERED_REPLICAS:
+            self._seen.popitem(last=False)
+
+    def was_known(self, replica_id: str) -> bool:
+        """Whether this table has listed the replica (it may be gone now)."""
+        return replica_id in self._seen
 
     async def listed(self, refresh: bool = False) -> list[ReplicaInfo]:
         """The directory's replicas; while it is unreachable the last list stands (none before the first)."""
