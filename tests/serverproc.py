@@ -97,6 +97,12 @@ def start_cli(args, line_pattern: re.Pattern, env_vars=None, what="server"):
     raise RuntimeError(f"{what} did not start:\n" + "".join(output))
 
 
+def serve_refusal(env_id: str, env_vars=None) -> subprocess.CompletedProcess:
+    """`envserve serve ENV_ID` where it cannot start: its exit status and the line telling why."""
+    return subprocess.run([sys.executable, "-m", "envserve.cli", "serve", env_id, "--port", "0"], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, **(env_vars or {})))
+
+
 class ServerProcess:
     def __init__(self, envs, workers=2, extra=(), metrics=True, env_vars=None, tls_ca=None):
         # tls_ca: the CA's PEM bytes, or whole grpc.ChannelCredentials (mutual TLS).

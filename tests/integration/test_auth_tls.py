@@ -9,20 +9,23 @@ import sys
 import grpc
 import pytest
 
-from envserve.client import (AsyncEnvClient, EnvClient, PermissionDeniedError, UnauthenticatedError,
-                             UnavailableError, check)
+from envserve.client import (AsyncEnvClient, EnvClient, EnvServeError, PermissionDeniedError,
+                             UnauthenticatedError, UnavailableError, check)
 from serverproc import ServerProcess
 
 ALICE, BOB, JUDGE = "alice-token-1", "bob-token-2", "judge-token-3"
 DENIED = grpc.StatusCode.PERMISSION_DENIED.value[0]
 
 
+OPS = "ops-token-4"  # a state token the operator lets read every session
+
+
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory):
     tokens = tmp_path_factory.mktemp("tokens") / "tokens.txt"
-    tokens.write_text(f"# session tokens\n{ALICE}\n{BOB}\n")
-    with ServerProcess(["sokoban"], workers=2, metrics=False,
-                       extra=["--token-file", str(tokens)], env_vars={"ENVSERVE_STATE_TOKENS": JUDGE}) as s:
+    tokens.write_text(f"# session tokens\n{ALICE} name=alice\n{BOB} name=bob\n")
+    with ServerProcess(["sokoban"], workers=2, metrics=False, extra=["--token-file", str(tokens)],
+                       env_vars={"ENVSERVE_STATE_TOKENS": f"{JUDGE} name=judge,{OPS} name=ops reads=*"}) as s:
         yield s
 
 
@@ -88,14 +91,14 @@ def test_a_sync_clients_lane_carries_its_token(secured):
 
 
 def test_state_service_needs_its_own_token(secured):
-    with EnvClient(secured.address, token=ALICE) as alice, \
+    with EnvClient(secured.address, token=ALICE, state_readers=["judge"]) as alice, \
             EnvClient(secured.address, token=JUDGE) as judge_on_env:
         sid = alice.open("sokoban", 1)[0]
         alice.reset_one(sid, 5)
         # The policy's token cannot read the ground truth, even of its own session.
         with pytest.raises(PermissionDeniedError, match="state token"):
             alice.get_state(sid)
-        # The judge's token reads any session's truth but cannot act.
+        # The judge's token reads the truth of a session that grants it, but cannot act.
         with pytest.raises(PermissionDeniedError):
             judge_on_env.open("sokoban", 1)
         state = judge_on_env.get_state(sid)
@@ -105,6 +108,50 @@ def test_state_service_needs_its_own_token(secured):
     with EnvClient(secured.address) as nobody:
         with pytest.raises(UnauthenticatedError):
             nobody.get_state(sid)
+
+
+def test_a_judge_reads_only_the_sessions_that_grant_it(secured):
+    with EnvClient(secured.address, token=BOB) as bob, EnvClient(secured.address, token=JUDGE) as judge, \
+            EnvClient(secured.address, token=OPS) as ops:
+        private = bob.open("sokoban", 1)[0]
+        bob.reset_one(private, 2)
+        with pytest.raises(PermissionDeniedError, match="grants"):
+            judge.get_state(private)
+        # A state token the operator lets read everything (reads=*) does.
+        assert ops.get_state(private).session_id == private
+        # A grant names a state token the replica has; a typo is the caller's mistake.
+        with EnvClient(secured.address, token=BOB, state_readers=["jduge"]) as typo:
+            with pytest.raises(EnvServeError) as e:
+                typo.open("sokoban", 1)
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "jduge" in e.value.message
+        # A fork keeps its parent's grants, and has no more.
+        with EnvClient(secured.address, token=BOB, state_readers=["judge"]) as granting:
+            shared = granting.open("sokoban", 1)[0]
+            granting.reset_one(shared, 2)
+            copy = granting.fork(shared, 1)[0]
+        assert judge.get_state(copy).session_id == copy
+        assert judge.get_state(shared).session_id == shared
+        copy_of_private = bob.fork(private, 1)[0]
+        with pytest.raises(PermissionDeniedError):
+            judge.get_state(copy_of_private)
+        bob.close_sessions([private, shared, copy, copy_of_private])
+
+
+def test_a_token_entry_grants_a_judge_every_session_of_its_token(tmp_path):
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text(f"{ALICE} name=alice grants=judge\n{BOB} name=bob\n")
+    state = tmp_path / "state.txt"
+    state.write_text(f"{JUDGE} name=judge\n")
+    with ServerProcess(["sokoban"], workers=1, metrics=False,
+                       extra=["--token-file", str(tokens), "--state-token-file", str(state)]) as s:
+        with EnvClient(s.address, token=ALICE) as alice, EnvClient(s.address, token=BOB) as bob, \
+                EnvClient(s.address, token=JUDGE) as judge:
+            a, b = alice.open("sokoban", 1)[0], bob.open("sokoban", 1)[0]
+            alice.reset_one(a, 1)
+            bob.reset_one(b, 1)
+            assert judge.get_state(a).session_id == a
+            with pytest.raises(PermissionDeniedError):
+                judge.get_state(b)
 
 
 def test_without_state_tokens_the_owner_reads_its_own_state():
@@ -184,5 +231,8 @@ def test_monitor_service_is_authorised_like_state(secured):
                 stub.ListSessions(pb.ListSessionsRequest(), metadata=(("authorization", f"Bearer {token}"),)
                                   if token else None)
             assert e.value.code() == code
+        # A state token sees the sessions that grant it; one the operator lets read all sees every one.
         seen = stub.ListSessions(pb.ListSessionsRequest(), metadata=(("authorization", f"Bearer {JUDGE}"),))
+        assert sid not in [s.session_id for s in seen.sessions]
+        seen = stub.ListSessions(pb.ListSessionsRequest(), metadata=(("authorization", f"Bearer {OPS}"),))
         assert sid in [s.session_id for s in seen.sessions]

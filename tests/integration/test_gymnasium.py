@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("gymnasium")
 
 from envserve.client import EnvClient, state_dict  # noqa: E402
-from envserve.client.errors import EnvServeError  # noqa: E402
-from serverproc import ServerProcess  # noqa: E402
+from envserve.client.errors import EnvNotFoundError, EnvServeError  # noqa: E402
+from serverproc import ServerProcess, serve_refusal  # noqa: E402
 
 CARTPOLE, TAXI, PENDULUM = "gymnasium:CartPole-v1", "gymnasium:Taxi-v4", "gymnasium:Pendulum-v1"
 
@@ -34,11 +34,13 @@ def _answer(a: str) -> str:
     return f"<answer>{a}</answer>"
 
 
-def test_unknown_gymnasium_id_is_invalid_argument(gym_client):
-    with pytest.raises(EnvServeError) as e:
+def test_an_unserved_gymnasium_id_is_not_found_and_the_operator_is_told_why(gym_client):
+    # A replica serves the ids it was started with; it builds no other for a caller.
+    with pytest.raises(EnvNotFoundError) as e:
         gym_client.open("gymnasium:NoSuchEnv-v9", 1)
-    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "NoSuchEnv-v9" in str(e.value)
+    assert "NoSuchEnv-v9" in str(e.value) and CARTPOLE in str(e.value)
+    out = serve_refusal("gymnasium:NoSuchEnv-v9")
+    assert out.returncode == 2 and "gymnasium has no environment 'NoSuchEnv-v9'" in out.stderr
 
 
 @pytest.mark.parametrize("config", [{"kwargs": "not an object"}, {"kwargs": {"no_such_argument": 1}},

@@ -233,20 +233,33 @@ def test_metrics_count_judged_items(client, jc, judge):
 
 
 def test_tokens_for_callers_and_for_ground_truth():
-    play, truth, judge_token = "play-token", "truth-token", "judge-token"
+    # The judge's callers are the teams themselves (their session tokens): each is judged on its own
+    # sessions only, even those that let the judge read them.
+    play, other, truth = "play-token", "other-team-token", "truth-token"
     with ServerProcess(["sokoban"], workers=1, metrics=False,
-                       env_vars={"ENVSERVE_TOKENS": play, "ENVSERVE_STATE_TOKENS": truth}) as s, \
+                       env_vars={"ENVSERVE_TOKENS": f"{play},{other}",
+                                 "ENVSERVE_STATE_TOKENS": f"{truth} name=judge"}) as s, \
             JudgeProcess(s.address, env_vars={"ENVSERVE_STATE_TOKEN": f"{truth},spare-token",  # the first is used
-                                               "ENVSERVE_JUDGE_TOKENS": judge_token}) as j, \
+                                               "ENVSERVE_JUDGE_TOKENS": f"{play},{other}"}) as j, \
             JudgeProcess(s.address) as blind:
-        with EnvClient(s.address, token=play) as c:
+        # The trainer grants the judge's state token (by its name) the sessions it opens.
+        with EnvClient(s.address, token=play, state_readers=["judge"]) as c:
             sid = opened(c, "sokoban", 3)
+        with EnvClient(s.address, token=play) as c:
+            private = opened(c, "sokoban", 3)
         task = JudgeTask("t", sid, 0, "grounding", "The box is above me.")
         with JudgeClient(j.address) as anonymous, pytest.raises(EnvServeError) as e:
             anonymous.judge([task])
         assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
-        with JudgeClient(j.address, token=judge_token) as ok:
+        with JudgeClient(j.address, token=play) as ok:
             assert ok.judge([task])[0].status.code == OK
+            # a session that did not grant the judge stays unread: its item says so
+            r = ok.judge([JudgeTask("p", private, 0, "grounding", "The box is above me.")])[0]
+            assert r.status.code == grpc.StatusCode.PERMISSION_DENIED.value[0] and "grants" in r.status.message
+        # another team cannot have the judge read (and score) this team's session, cached or not
+        with JudgeClient(j.address, token=other) as them:
+            r = them.judge([task])[0]
+            assert r.status.code == grpc.StatusCode.PERMISSION_DENIED.value[0] and "caller" in r.status.message
         # a judge without the state token cannot read the truth: the item says so, the call succeeds
         with JudgeClient(blind.address) as jc:
             r = jc.judge([task])[0]

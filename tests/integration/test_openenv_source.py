@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 
-import grpc
 import pytest
 
 pytest.importorskip("openenv")
@@ -15,8 +14,8 @@ pytest.importorskip("openenv")
 import openenv_envs  # noqa: E402
 from openenv_envs import ECHO, GRID, GUESS, LOCKED  # noqa: E402
 from envserve.client import EnvClient, state_dict  # noqa: E402
-from envserve.client.errors import EnvServeError  # noqa: E402
-from serverproc import ServerProcess  # noqa: E402
+from envserve.client.errors import EnvNotFoundError  # noqa: E402
+from serverproc import ServerProcess, serve_refusal  # noqa: E402
 
 SERVED = [ECHO, GUESS, GRID, LOCKED]
 
@@ -111,11 +110,23 @@ def test_forks_copy_where_the_env_copies_and_replay_where_it_cannot(client, env_
     ("openenv:openenv_envs.locked:NotAnEnvironment", "not an OpenEnv Environment"),
     ("openenv:openenv_envs.echo", "openenv:<module>:<Class>"),
 ])
-def test_bad_ids_are_invalid_argument_with_the_reason(client, env_id, reason):
-    with pytest.raises(EnvServeError) as e:
+def test_bad_ids_are_refused_at_serve_with_the_reason(client, env_id, reason):
+    with pytest.raises(EnvNotFoundError):
         client.open(env_id, 1)
-    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert reason in str(e.value)
+    out = serve_refusal(env_id, openenv_envs.on_path())
+    assert out.returncode == 2 and reason in out.stderr
+
+
+def test_an_open_never_imports_the_module_a_caller_names(client, tmp_path):
+    # The replica was started with this variable unset in its environment: set it for a fresh one.
+    wire = tmp_path / "imported"
+    with ServerProcess(SERVED[:1], workers=1, metrics=False,
+                       env_vars={**openenv_envs.on_path(), "ENVSERVE_TRIPWIRE": str(wire)}) as s, \
+            EnvClient(s.address) as c:
+        with pytest.raises(EnvNotFoundError):
+            c.open("openenv:openenv_envs.tripwire:Anything", 1)
+        assert c.open(SERVED[0], 1)     # and the replica serves on
+    assert not wire.exists()
 
 
 def test_serve_refuses_a_module_that_is_not_there():

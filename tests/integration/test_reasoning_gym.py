@@ -9,9 +9,9 @@ import pytest
 rg = pytest.importorskip("reasoning_gym")
 
 from envserve.client import EnvClient, state_dict  # noqa: E402
-from envserve.client.errors import EnvServeError  # noqa: E402
+from envserve.client.errors import EnvNotFoundError, EnvServeError  # noqa: E402
 from envserve.envs.reasoning_gym.env import CONFIG_DEFAULTS, TEST_SEED_OFFSET  # noqa: E402
-from serverproc import ServerProcess  # noqa: E402
+from serverproc import ServerProcess, serve_refusal  # noqa: E402
 
 # spell_backward gives partial credit to a wrong answer; prime_factorization's checker raises on text.
 LEGS, SPELL, PRIMES = "reasoning_gym:leg_counting", "reasoning_gym:spell_backward", "reasoning_gym:prime_factorization"
@@ -111,10 +111,12 @@ def test_dataset_params_reach_the_dataset(client):
     client.close_sessions([sid])
 
 
-def test_unknown_dataset_is_invalid_argument(client):
-    with pytest.raises(EnvServeError) as e:
+def test_an_unserved_dataset_is_not_found_and_the_operator_is_told_why(client):
+    with pytest.raises(EnvNotFoundError) as e:
         client.open("reasoning_gym:no_such_dataset", 1)
-    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "no_such_dataset" in str(e.value)
+    assert "no_such_dataset" in str(e.value)
+    out = serve_refusal("reasoning_gym:no_such_dataset")
+    assert out.returncode == 2 and "no_such_dataset" in out.stderr
 
 
 @pytest.mark.parametrize("config", [{"dataset_params": "not an object"}, {"dataset_params": {"no_such_field": 1}},

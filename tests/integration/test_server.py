@@ -8,7 +8,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from envserve.client import AsyncEnvClient, EnvClient, check, item_error
-from envserve.client.errors import EnvServeError, ReplicaFullError, SessionNotFoundError
+from envserve.client.errors import EnvNotFoundError, EnvServeError, ReplicaFullError, SessionNotFoundError
 from serverproc import ServerProcess
 
 SOKOBAN_MOVE = "<think>push</think><answer>{}</answer>"
@@ -20,8 +20,10 @@ def test_list_envs_and_spec(client):
     spec = client.get_spec("sokoban")
     assert spec.max_actions_per_turn == 3
     assert json.loads(spec.config_schema_json)["properties"]["dim_room"]["default"] == 6
-    with pytest.raises(SessionNotFoundError):
+    with pytest.raises(EnvNotFoundError):     # its own class: no env of that id, not a session
         client.get_spec("no-such-env")
+    with pytest.raises(EnvNotFoundError):
+        client.open("no-such-env", 1)
 
 
 def test_batch_spreads_over_workers_and_keeps_order(client):
@@ -166,7 +168,7 @@ def test_interact_streams_every_result(grid_server):
     asyncio.run(main())
 
 
-def test_interact_returns_fast_results_before_slow_ones():
+def test_interact_returns_fast_results_before_slow_ones(tmp_path):
     """A step sent later on another worker comes back before a slow one sent first."""
     async def main(address):
         async with AsyncEnvClient(address) as ac:
@@ -181,7 +183,11 @@ def test_interact_returns_fast_results_before_slow_ones():
                     order += [tag for tag, _ in await s.recv()]
             assert order == [fast_tag, slow_tag]
 
-    with ServerProcess(["sokoban"], workers=2, metrics=False) as server:
+    # 2048 px images make the slow step slow: above the built-in bound (1024), so this replica's
+    # operator allows them.
+    limits = tmp_path / "limits.json"
+    limits.write_text(json.dumps({"*": {"image_size": {"maximum": 2048}}}))
+    with ServerProcess(["sokoban"], workers=2, metrics=False, extra=["--config-limits", str(limits)]) as server:
         asyncio.run(main(server.address))
 
 

@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("textarena")
 
 from envserve.client import AsyncEnvClient, EnvClient, state_dict  # noqa: E402
-from envserve.client.errors import EnvServeError  # noqa: E402
-from serverproc import ServerProcess  # noqa: E402
+from envserve.client.errors import EnvNotFoundError, EnvServeError  # noqa: E402
+from serverproc import ServerProcess, serve_refusal  # noqa: E402
 
 TTT, GUESS, G2048 = "textarena:TicTacToe-v0", "textarena:GuessTheNumber-v0", "textarena:2048-v0"
 
@@ -149,17 +149,20 @@ def test_sessions_sharing_a_worker_keep_their_own_randomness(client):
     assert run([5, 6], interleave=True) == run([5], interleave=False)
 
 
-def test_a_game_envserve_cannot_serve_is_invalid_argument(client):
-    with pytest.raises(EnvServeError) as e:
+def test_a_game_envserve_cannot_serve_is_refused_at_serve(client):
+    with pytest.raises(EnvNotFoundError):
         client.open("textarena:Poker-v0", 1)   # on TextArena's multi-player state
-    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "one- or two-player" in str(e.value)
+    out = serve_refusal("textarena:Poker-v0")
+    assert out.returncode == 2 and "one- or two-player" in out.stderr
 
 
-def test_unknown_game_is_invalid_argument(client):
-    with pytest.raises(EnvServeError) as e:
+def test_an_unknown_game_is_not_found_and_the_operator_is_told_why(client):
+    with pytest.raises(EnvNotFoundError) as e:
         client.open("textarena:NoSuchGame-v0", 1)
-    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "NoSuchGame-v0" in str(e.value)
-    assert "TicTacToe-v0" in str(e.value)   # the message names games that can be served
+    assert "NoSuchGame-v0" in str(e.value)
+    out = serve_refusal("textarena:NoSuchGame-v0")
+    assert out.returncode == 2 and "NoSuchGame-v0" in out.stderr
+    assert "TicTacToe-v0" in out.stderr   # the message names games that can be served
 
 
 @pytest.mark.parametrize("env_id, config", [(TTT, {"opponent": "nobody"}), (TTT, {"player_id": 2}),

@@ -365,9 +365,10 @@ def test_a_step_past_its_deadline_fails_alone_and_the_stream_goes_on(monkeypatch
             lanes = dict(c._lanes)
             assert len(lanes) == 1, "a lone thread steps on its replica's lane"
             stalled(c, sid, worker)
-            # The late step was stepped when the worker woke: the next one is turn 3.
+            # The late step was skipped when the worker woke, its caller gone (turn 2 next), or
+            # stepped if the worker took it before the replica heard of the deadline (turn 3).
             r = c.step([(sid, "<answer>Left</answer>")])[0]
-            assert r.status.code == 0 and r.turn == 3, r
+            assert r.status.code == 0 and r.turn in (2, 3), r
             assert len(c._lanes) == 1 and c._lanes != lanes
             (old,) = lanes.values()
             assert old.closed and old.timed_out
@@ -375,12 +376,14 @@ def test_a_step_past_its_deadline_fails_alone_and_the_stream_goes_on(monkeypatch
 
             (lane,) = c._lanes.values()
             with lane.busy:  # another thread holds the lane: steps go over the loop's shared stream
-                assert c.step([(sid, "<answer>Left</answer>")])[0].turn == 4
+                turn = c.step([(sid, "<answer>Left</answer>")])[0].turn
+                assert turn == r.turn + 1
                 streams = dict(c.routed._streams)
                 assert len(streams) == 1
                 stalled(c, sid, worker)
+                # The shared stream stays open, so the late step is not cancelled: it ran.
                 r = c.step([(sid, "<answer>Left</answer>")])[0]
-                assert r.status.code == 0 and r.turn == 6, r
+                assert r.status.code == 0 and r.turn == turn + 2, r
                 assert c.routed._streams == streams
 
 
@@ -489,7 +492,9 @@ def test_a_caller_interrupted_on_its_lane_leaves_it_usable(monkeypatch, lane_kin
                     signal.setitimer(signal.ITIMER_REAL, 0)
                     os.kill(worker, signal.SIGCONT)
                 r = c.step([(sid, "<answer>Left</answer>")])[0]
-                assert r.status.code == 0 and r.turn == 3, r
+                # The interrupted step ran (turn 2) unless the replica heard its caller was gone
+                # before the worker, stopped meanwhile, began it (then it was skipped).
+                assert r.status.code == 0 and r.turn in (2, 3), r
                 assert lane.closed and lane not in sync_lane._OPEN
                 (new,) = c._lanes.values()
                 assert new is not lane and not new.closed

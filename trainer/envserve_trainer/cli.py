@@ -47,6 +47,7 @@ def _connection(args):
         raise SystemExit("envserve-train: give exactly one of --env-address and --directory")
     return Connection(env_address=args.env_address or "", directory=args.directory or "",
                       judge_address=getattr(args, "judge_address", "") or "",
+                      state_readers=tuple(filter(None, [getattr(args, "judge_reader", "")])),
                       token=args.token or os.environ.get("ENVSERVE_TOKEN") or None)
 
 
@@ -73,6 +74,9 @@ def main(argv=None) -> int:
     tr.add_argument("--output-dir", default="runs/train", help="checkpoints, metrics.jsonl, curves.png")
     tr.add_argument("--judge-address", default=os.environ.get("ENVSERVE_JUDGE_ADDRESS", ""),
                     help="the judge service, for algo.use_judge (env ENVSERVE_JUDGE_ADDRESS)")
+    tr.add_argument("--judge-reader", default=os.environ.get("ENVSERVE_JUDGE_READER", ""),
+                    help="the name of the judge's state token on replicas that have state tokens: the sessions "
+                         "this run opens let it read their ground truth (env ENVSERVE_JUDGE_READER)")
     tr.add_argument("--iterations", type=int, default=None, help="overrides run.iterations")
     tr.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
     ev = sub.add_parser("eval", help="evaluate a checkpoint (or the config's model) and print JSON")

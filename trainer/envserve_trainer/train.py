@@ -48,6 +48,8 @@ class Connection:
     directory: str = ""
     judge_address: str = ""
     token: str | None = None
+    # State tokens (a judge's) that may read the ground truth of the sessions this run opens.
+    state_readers: tuple = ()
 
     def env_client(self):
         from envserve.client import AsyncEnvClient, AsyncRoutedClient
@@ -62,10 +64,10 @@ class Connection:
     def _client(self, routed, direct):
         """`routed` over the directory when one is given, else `direct` to the one env address."""
         if self.directory:
-            return routed(self.directory, token=self.token)
+            return routed(self.directory, token=self.token, state_readers=self.state_readers)
         if not self.env_address:
             raise ValueError("give an env address (--env-address) or a directory (--directory)")
-        return direct(self.env_address, token=self.token)
+        return direct(self.env_address, token=self.token, state_readers=self.state_readers)
 
     def judge_client(self):
         if not self.judge_address:

@@ -5,7 +5,7 @@ from envserve.v1 import envserve_pb2 as messages
 from envserve.common.tables import sessions_per_table
 from .aio import AsyncEnvClient, InteractStream
 from .client import EnvClient, decode_image, state_dict
-from .errors import (EnvServeError, PermissionDeniedError, ReplicaFullError, SessionLostError,
+from .errors import (EnvNotFoundError, EnvServeError, PermissionDeniedError, ReplicaFullError, SessionLostError,
                      SessionNotFoundError, UnauthenticatedError, UnavailableError, check, item_error)
 from .aio_routing import AsyncRoutedClient, RoutedStream
 from .routing import RoutedClient
@@ -15,6 +15,6 @@ from .judge import AsyncJudgeClient, JudgeClient, JudgeTask
 
 __all__ = [
     "EnvClient", "AsyncEnvClient", "JudgeClient", "AsyncJudgeClient", "JudgeTask", "RoutedClient", "AsyncRoutedClient", "StreamingClient", "RoutedStream", "RecoverySettings", "InteractStream", "decode_image", "state_dict",
-    "EnvServeError", "SessionLostError", "SessionNotFoundError", "ReplicaFullError", "UnavailableError",
+    "EnvServeError", "EnvNotFoundError", "SessionLostError", "SessionNotFoundError", "ReplicaFullError", "UnavailableError",
     "PermissionDeniedError", "UnauthenticatedError", "check", "item_error", "messages", "sessions_per_table",
 ]

@@ -8,8 +8,9 @@ from google.protobuf import struct_pb2
 from envserve.v1 import envserve_pb2 as pb
 
 
-def open_request(env_id: str, count: int, config: Mapping[str, Any] | None, action_format: str) -> pb.OpenRequest:
-    req = pb.OpenRequest(env_id=env_id, count=count, action_format=action_format)
+def open_request(env_id: str, count: int, config: Mapping[str, Any] | None, action_format: str,
+                 state_readers: Sequence[str] = ()) -> pb.OpenRequest:
+    req = pb.OpenRequest(env_id=env_id, count=count, action_format=action_format, state_readers=list(state_readers))
     if config:
         s = struct_pb2.Struct()
         s.update(dict(config))

@@ -10,17 +10,20 @@ import grpc
 from envserve.v1 import envserve_pb2 as pb
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
 
+from envserve.common.headers import ON_BEHALF
+
 from . import _requests as rq
 from . import seats
 from .client import auth_metadata, make_channel
-from .errors import from_rpc_error, from_unary_error
+from .errors import EnvServeError, env_error, from_rpc_error, from_unary_error
 
 
 class AsyncEnvClient:
     def __init__(self, address: str, timeout: float | None = 60.0, token: str | None = None,
                  state_token: str | None = None, root_certificates: "bytes | str | None" = None,
-                 tls: bool = False):
+                 tls: bool = False, state_readers: Sequence[str] = ()):
         self.address = address
+        self.state_readers = tuple(state_readers)  # see EnvClient
         self.timeout = timeout
         self.channel = make_channel(address, root_certificates, tls, aio=True)
         self.env = pb_grpc.EnvServiceStub(self.channel)
@@ -47,7 +50,11 @@ class AsyncEnvClient:
     async def open_sessions(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
                             action_format: str = "") -> pb.OpenResponse:
         """Open, returning the whole reply: ids, lease, the sessions' system prompt, the replica's load."""
-        r = await self._call(self.env.Open, rq.open_request(env_id, count, config, action_format))
+        try:
+            r = await self._call(self.env.Open, rq.open_request(env_id, count, config, action_format,
+                                                                self.state_readers))
+        except EnvServeError as e:
+            raise env_error(e) from None
         seats.note_opened(r.session_ids, config)
         return r
 
@@ -55,7 +62,10 @@ class AsyncEnvClient:
         return list((await self._call(self.env.ListEnvs, pb.ListEnvsRequest())).envs)
 
     async def get_spec(self, env_id: str) -> pb.EnvSpec:
-        return await self._call(self.env.GetSpec, pb.GetSpecRequest(env_id=env_id))
+        try:
+            return await self._call(self.env.GetSpec, pb.GetSpecRequest(env_id=env_id))
+        except EnvServeError as e:
+            raise env_error(e) from None
 
     async def reset(self, session_ids: Sequence[str], seeds=None, task_id: str = "", split: str = "",
                     same_task: bool = False) -> list[pb.StepResult]:
@@ -77,9 +87,11 @@ class AsyncEnvClient:
         return await self._call(self.env.Restore, pb.RestoreRequest(sessions=list(histories)))
 
     async def get_state(self, session_id: str, turn: int = -1, episode: int | None = None,
-                        trial: int | None = None) -> pb.GetStateResponse:
-        return await self._call(self.state.GetState, rq.get_state_request(session_id, turn, episode, trial),
-                                self.state_metadata)
+                        trial: int | None = None, on_behalf_of: str | None = None) -> pb.GetStateResponse:
+        """on_behalf_of: for a judge, the digest of its own caller's token (rpc.auth.owner_of): the
+        replica then answers only for that caller's sessions."""
+        md = self.state_metadata if on_behalf_of is None else (*self.state_metadata, (ON_BEHALF, on_behalf_of))
+        return await self._call(self.state.GetState, rq.get_state_request(session_id, turn, episode, trial), md)
 
     def stream(self) -> "InteractStream":
         return InteractStream(self.env, self.metadata)

@@ -119,7 +119,7 @@ class AsyncRoutedClient(Router):
             await self.close_sessions(opened)
             raise last_error or UnavailableError(
                 grpc.StatusCode.UNAVAILABLE, f"no live replica serving {env_id!r} has room for {count} sessions")
-        self.sessions.opened(opened, env_id, config, action_format)
+        self.sessions.opened(opened, env_id, config, action_format, self.state_readers)
         return opened, prompt
 
     async def _fan_out(self, items: list, sid_of, call) -> list:
@@ -277,9 +277,9 @@ class AsyncRoutedClient(Router):
         return self.client_for(r)
 
     async def get_state(self, session_id: str, turn: int = -1, episode: int | None = None,
-                        trial: int | None = None) -> pb.GetStateResponse:
+                        trial: int | None = None, on_behalf_of: str | None = None) -> pb.GetStateResponse:
         async def call(real):
-            return await (await self._session_client(real)).get_state(real, turn, episode, trial)
+            return await (await self._session_client(real)).get_state(real, turn, episode, trial, on_behalf_of)
         state = await self._with_recovery(session_id, call)
         state.session_id = session_id
         return state

@@ -11,7 +11,7 @@ from envserve.v1 import envserve_pb2_grpc as pb_grpc
 
 from . import _requests as rq
 from . import seats
-from .errors import check, from_rpc_error, from_unary_error
+from .errors import EnvServeError, check, env_error, from_rpc_error, from_unary_error
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
                    ("grpc.max_send_message_length", 64 * 1024 * 1024)]
@@ -60,12 +60,15 @@ class EnvClient(ChannelOwner):
     whole raise EnvServeError subclasses carrying the gRPC code.
 
     token: the bearer token sessions are bound to. state_token: a separate token for StateService,
-    where the replica requires one. root_certificates (PEM bytes or path) or tls=True: TLS."""
+    where the replica requires one. state_readers: names of the replica's state tokens (a judge's)
+    that may read the ground truth of the sessions this client opens. root_certificates (PEM bytes
+    or path) or tls=True: TLS."""
 
     def __init__(self, address: str, timeout: float | None = 60.0, channel: grpc.Channel | None = None,
                  token: str | None = None, state_token: str | None = None,
-                 root_certificates: "bytes | str | None" = None, tls: bool = False):
+                 root_certificates: "bytes | str | None" = None, tls: bool = False, state_readers: Sequence[str] = ()):
         self.address = address
+        self.state_readers = tuple(state_readers)
         self.timeout = timeout
         self.channel = channel or make_channel(address, root_certificates, tls)
         self.env = pb_grpc.EnvServiceStub(self.channel)
@@ -83,7 +86,10 @@ class EnvClient(ChannelOwner):
         return list(self._call(self.env.ListEnvs, pb.ListEnvsRequest()).envs)
 
     def get_spec(self, env_id: str) -> pb.EnvSpec:
-        return self._call(self.env.GetSpec, pb.GetSpecRequest(env_id=env_id))
+        try:
+            return self._call(self.env.GetSpec, pb.GetSpecRequest(env_id=env_id))
+        except EnvServeError as e:
+            raise env_error(e) from None
 
     def open(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
              action_format: str = "") -> list[str]:
@@ -92,7 +98,10 @@ class EnvClient(ChannelOwner):
     def open_sessions(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
                       action_format: str = "") -> pb.OpenResponse:
         """Open, returning the whole reply: ids, lease and the sessions' system prompt."""
-        r = self._call(self.env.Open, rq.open_request(env_id, count, config, action_format))
+        try:
+            r = self._call(self.env.Open, rq.open_request(env_id, count, config, action_format, self.state_readers))
+        except EnvServeError as e:
+            raise env_error(e) from None
         seats.note_opened(r.session_ids, config)
         return r
 

@@ -22,6 +22,10 @@ class SessionNotFoundError(EnvServeError):
     """Closed, expired or never opened."""
 
 
+class EnvNotFoundError(EnvServeError):
+    """No replica serves an environment of that id (Open, GetSpec)."""
+
+
 class ReplicaFullError(EnvServeError):
     """The replica has max_sessions open; try another replica or later."""
 
@@ -54,6 +58,13 @@ def make_error(code: grpc.StatusCode, message: str, session_id: str = "") -> Env
 
 def from_rpc_error(e: grpc.RpcError) -> EnvServeError:
     return make_error(e.code(), e.details() or "", "")
+
+
+def env_error(err: EnvServeError) -> EnvServeError:
+    """An Open's or GetSpec's error: NOT_FOUND there names the environment, not a session."""
+    if err.code == grpc.StatusCode.NOT_FOUND and not isinstance(err, EnvNotFoundError):
+        return EnvNotFoundError(err.code, err.message, err.session_id)
+    return err
 
 
 def from_unary_error(e: grpc.RpcError) -> EnvServeError:

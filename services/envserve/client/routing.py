@@ -28,7 +28,7 @@ from . import _requests as rq
 from . import seats
 from .addresses import directory_for
 from .client import EnvClient
-from .errors import EnvServeError, UnavailableError, from_unary_error, make_error
+from .errors import EnvNotFoundError, EnvServeError, UnavailableError, from_unary_error, make_error
 from .recovery import RecoverySettings, SessionTable, lost_result, replica_gone
 
 _TIE_RANDOM = random.SystemRandom()
@@ -94,11 +94,12 @@ class Router:
                  root_certificates: "bytes | str | None" = None, tls: bool = False, use_external: bool = False,
                  timeout: float | None = 60.0, refresh_seconds: float = 1.0, max_open_per_call: int = 4096,
                  retire_after_seconds: float = 120.0,
-                 recovery: "RecoverySettings | bool" = True):
+                 recovery: "RecoverySettings | bool" = True, state_readers: Sequence[str] = ()):
         self.directory = directory_for(directory, token, root_certificates, tls)
         self._owns_directory = self.directory is not directory
+        self.state_readers = tuple(state_readers)
         self.client_kw = dict(token=token, state_token=state_token, root_certificates=root_certificates,
-                              tls=tls, timeout=timeout)
+                              tls=tls, timeout=timeout, state_readers=self.state_readers)
         self.use_external = use_external
         self.refresh_seconds = refresh_seconds
         self.max_open_per_call = max_open_per_call
@@ -287,7 +288,7 @@ class Router:
             return
         if self._seen and not any(env_id in r.envs for r in self._seen.values()):
             served = sorted({e for r in self._seen.values() for e in r.envs})
-            raise make_error(grpc.StatusCode.NOT_FOUND, f"{env_id!r} is not served by any replica; served: {served}")
+            raise EnvNotFoundError(grpc.StatusCode.NOT_FOUND, f"{env_id!r} is not served by any replica; served: {served}")
 
     def listed(self, env_id: str) -> bool:
         """Whether any replica not draining is listed for env_id (in the cached listing)."""
@@ -503,7 +504,7 @@ class RoutedClient(Router):
                 stub = self.client_for(r)
                 for start in range(0, n, per_call):
                     k = min(per_call, n - start)
-                    req = rq.open_request(env_id, k, config, action_format)
+                    req = rq.open_request(env_id, k, config, action_format, self.state_readers)
                     calls.append((rid, k, stub.env.Open.future(req, timeout=stub.timeout, metadata=stub.metadata)))
             try:
                 for rid, k, fut in calls:
@@ -533,7 +534,7 @@ class RoutedClient(Router):
                 raise last_error
             raise UnavailableError(grpc.StatusCode.UNAVAILABLE,
                                    f"no live replica serving {env_id!r} has room for {count} sessions")
-        self.sessions.opened(opened, env_id, config, action_format)
+        self.sessions.opened(opened, env_id, config, action_format, self.state_readers)
         seats.note_opened(opened, config)
         return pb.OpenResponse(session_ids=opened, lease_seconds=lease, system_prompt=prompt)
 

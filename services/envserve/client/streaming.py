@@ -227,12 +227,12 @@ class StreamingClient:
     def __init__(self, target: "str | Sequence[str]", token: str | None = None, state_token: str | None = None,
                  root_certificates: "bytes | str | None" = None, tls: bool = False, timeout: float | None = 60.0,
                  recovery: "RecoverySettings | bool" = True, stream_steps: bool = True,
-                 use_external: bool = False):
+                 use_external: bool = False, state_readers: Sequence[str] = ()):
         self.target = target
         self.timeout = timeout
         self.stream_steps = stream_steps
         self._kw = dict(token=token, state_token=state_token, root_certificates=root_certificates, tls=tls,
-                        timeout=timeout, recovery=recovery, use_external=use_external)
+                        timeout=timeout, recovery=recovery, use_external=use_external, state_readers=state_readers)
         self._lock = threading.Lock()
         self._pid = -1
         self._client: AsyncRoutedClient | None = None

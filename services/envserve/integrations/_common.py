@@ -23,8 +23,8 @@ from typing import Any, Mapping, Sequence
 
 import grpc
 
-from envserve.client import (EnvServeError, RecoverySettings, SessionLostError, SessionNotFoundError, StreamingClient, decode_image,
-                             item_error)
+from envserve.client import (EnvNotFoundError, EnvServeError, RecoverySettings, SessionLostError, SessionNotFoundError,
+                             StreamingClient, decode_image, item_error)
 from envserve.client.experts import plain_answer, session_settings
 
 # Spec action spaces: "one of Up, Down, Left, Right (case-insensitive)", "(row, col), 0-based; ...".
@@ -99,7 +99,7 @@ class Endpoint:
         if spec is None:
             try:
                 spec = self.client().get_spec(env_id)
-            except SessionNotFoundError as e:  # NOT_FOUND: not served there
+            except EnvNotFoundError as e:  # not served there
                 raise ValueError(f"{env_id!r} at {self.where}: {e.message}") from None
             with _LOCK:
                 _SPECS[key] = spec

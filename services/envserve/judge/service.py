@@ -20,7 +20,7 @@ import grpc
 from google.protobuf import json_format
 from prometheus_client import Counter, Histogram
 
-from envserve.rpc.auth import Authenticator, Denied
+from envserve.rpc.auth import Authenticator, Denied, owner_of
 from envserve.rpc.metrics import MetricsEndpoint
 from envserve.rpc.values import code_number, to_struct
 from envserve.v1 import envserve_pb2 as pb
@@ -38,7 +38,7 @@ class TruthSource(Protocol):
     """Where ground truth comes from: an AsyncEnvClient (one replica) or an AsyncRoutedClient."""
 
     async def get_state(self, session_id: str, turn: int = -1, episode: int | None = None,
-                        trial: int | None = None) -> pb.GetStateResponse:
+                        trial: int | None = None, on_behalf_of: str | None = None) -> pb.GetStateResponse:
         ...
 
 
@@ -64,23 +64,29 @@ class TruthCache:
             raise ValueError(f"truth cache needs size >= 1 and max_age_seconds > 0, got {size}, {max_age_seconds}")
         self.source, self.size, self.max_age_seconds, self.clock = source, size, max_age_seconds, clock
         # Least recently used first; each entry is (last use, record).
-        self._records: OrderedDict[tuple[str, int, int, int], tuple[float, dict]] = OrderedDict()
+        self._records: OrderedDict[tuple, tuple[float, dict]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._records)
 
-    async def get(self, session_id: str, turn: int, episode: int | None, trial: int | None) -> dict:
+    async def get(self, session_id: str, turn: int, episode: int | None, trial: int | None,
+                  on_behalf_of: str | None = None) -> dict:
+        """on_behalf_of: the judge's caller (its token's digest), whose own sessions alone are read
+        for it; records are kept per caller, so one caller never reads what another's read cached."""
         now = self.clock()
         self._expire(now)
-        key = (session_id, trial, episode, turn)
+        key = (session_id, trial, episode, turn, on_behalf_of)
         if trial is not None and trial >= 0 and episode is not None and episode >= 0:
             hit = self._records.get(key)
             if hit is not None:
                 self._records[key] = (now, hit[1])
                 self._records.move_to_end(key)
                 return hit[1]
-        record = record_of(await self.source.get_state(session_id, turn, episode, trial))
-        self._records[(session_id, record["trial"], record["episode"], record["turn"])] = (self.clock(), record)
+        state = (await self.source.get_state(session_id, turn, episode, trial, on_behalf_of) if on_behalf_of
+                 else await self.source.get_state(session_id, turn, episode, trial))
+        record = record_of(state)
+        self._records[(session_id, record["trial"], record["episode"], record["turn"], on_behalf_of)] = \
+            (self.clock(), record)
         while len(self._records) > self.size:
             self._records.popitem(last=False)
         return record
@@ -161,7 +167,7 @@ class JudgeCore:
         self.limit = asyncio.Semaphore(max_concurrent_items)
         self.metrics = metrics or JudgeMetrics()
 
-    async def prepare(self, item: pb.JudgeItem) -> _Prepared:
+    async def prepare(self, item: pb.JudgeItem, on_behalf_of: str | None = None) -> _Prepared:
         p = _Prepared(item)
         if item.field not in FIELDS:
             p.error = _failed(item, "INVALID_ARGUMENT", f"field must be one of {list(FIELDS)}, got {item.field!r}")
@@ -177,10 +183,12 @@ class JudgeCore:
         trial = item.trial if item.HasField("trial") else None
         try:
             if item.field == WORLD_MODELING:
-                previous = await self.truth.get(item.session_id, item.turn, episode, trial)
-                truth = await self.truth.get(item.session_id, p.truth_turn, previous["episode"], previous["trial"])
+                previous = await self.truth.get(item.session_id, item.turn, episode, trial, on_behalf_of)
+                truth = await self.truth.get(item.session_id, p.truth_turn, previous["episode"], previous["trial"],
+                                             on_behalf_of)
             else:
-                previous, truth = None, await self.truth.get(item.session_id, p.truth_turn, episode, trial)
+                previous, truth = None, await self.truth.get(item.session_id, p.truth_turn, episode, trial,
+                                                             on_behalf_of)
         except Exception as e:  # an EnvServeError carries the replica's status; anything else is UNAVAILABLE
             code = getattr(getattr(e, "code", None), "name", "UNAVAILABLE")
             p.error = _failed(item, code, f"ground truth of turn {p.truth_turn}: {getattr(e, 'message', e)}")
@@ -238,10 +246,11 @@ class JudgeCore:
                                  f"so it earns {self.config.repetition_penalty:g}.")
         return result
 
-    async def judge_batch(self, items) -> AsyncIterator[pb.JudgeResult]:
+    async def judge_batch(self, items, on_behalf_of: str | None = None) -> AsyncIterator[pb.JudgeResult]:
         """Scores a batch, yielding each result as it finishes. Closing the iterator early (the
-        caller went away) cancels what is still being scored."""
-        prepared = await asyncio.gather(*(self.prepare(it) for it in items))
+        caller went away) cancels what is still being scored. on_behalf_of: the caller's token
+        digest, so that only its own sessions' truth is read (see TruthCache.get)."""
+        prepared = await asyncio.gather(*(self.prepare(it, on_behalf_of) for it in items))
         self.observe(prepared)
         pending = [asyncio.ensure_future(self.score(p)) for p in prepared]
         try:
@@ -280,7 +289,10 @@ class JudgeServicer(pb_grpc.JudgeServiceServicer):
 
     async def Judge(self, request, context):
         await self._check(context)
-        async for result in self.core.judge_batch(request.items):
+        # A caller that presented a token is judged only on its own sessions: the replica checks
+        # that token's ownership as well as the judge's grant (a judge is shared by many teams).
+        token = self.auth.bearer(context) if self.auth.enabled else None
+        async for result in self.core.judge_batch(request.items, owner_of(token) if token else None):
             yield result
 
     async def GetJudgeInfo(self, request, context):

@@ -15,10 +15,11 @@ from grpc_health.v1._async import HealthServicer
 from envserve.v1 import envserve_pb2 as pb
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
 
+from envserve.core import limits
 from envserve.directory import Directory, DirectoryUnavailable, ReplicaInfo, open_directory
 
 from envserve.rpc.parsing import add_handlers, add_health_and_reflection, add_service
-from envserve.rpc.serving import server_options
+from envserve.rpc.serving import add_port, server_options
 from envserve.rpc.tls import server_credentials
 
 from .config import ServerConfig
@@ -61,11 +62,12 @@ def _serialize(message) -> bytes:
 class ReplicaServer:
     def __init__(self, config: ServerConfig, openenv_endpoint=None):
         """openenv_endpoint: with config.openenv_port, makes the OpenEnv endpoint from a gateway over
-        this replica's sessions (gateway, host, port, idle_seconds) -> object with start(), stop()
-        and url; the command line hands in envserve.web's (the server depends on no HTTP front)."""
+        this replica's sessions (gateway, host, port, idle_seconds, config=) -> object with start(),
+        stop() and url; the command line hands in envserve.web's (the server depends on no HTTP front)."""
         if not config.env_ids:
             raise ValueError("serve at least one environment")
         self.config = config
+        limits.install(config.config_limits, check=True, env_ids=config.env_ids)  # workers get them from the pool
         self.metrics = Metrics()
         self.replica = Replica(config, self.metrics)
         self.health = HealthServicer()
@@ -90,24 +92,26 @@ class ReplicaServer:
         add_service(pb_grpc.add_StateServiceServicer_to_server, StateService(self.replica), self.server)
         add_service(pb_grpc.add_MonitorServiceServicer_to_server, MonitorService(self.replica), self.server)
         add_health_and_reflection(self.server, self.health, SERVICE_NAMES)
-        bind = f"{self.config.host}:{self.config.port}"
-        credentials = server_credentials(self.config)
-        self.port = (self.server.add_secure_port(bind, credentials) if credentials
-                     else self.server.add_insecure_port(bind))
-        if self.port == 0:
-            raise OSError(f"cannot bind {bind}")
+        self.port = add_port(self.server, self.config.host, self.config.port, server_credentials(self.config))
         await self.replica.start(self.config.resolved_replica_id(self.port))
-        self.metrics.replica_capacity.set(self.config.max_sessions)
-        if self.config.metrics_port >= 0:
-            self.metrics_port = self.metrics.serve_http(self.config.metrics_host, self.config.metrics_port)
-        await self.server.start()
-        if self.config.openenv_port >= 0:
-            if self._openenv_endpoint is None:
-                raise ValueError("an OpenEnv port needs the endpoint to serve on it (envserve.web's)")
-            from .openenv_front import LocalGateway
-            self.openenv = self._openenv_endpoint(LocalGateway(self.replica), self.config.openenv_host or self.config.host,
-                                                  self.config.openenv_port, self.config.openenv_idle_seconds)
-            self.openenv.start()
+        try:
+            self.metrics.replica_capacity.set(self.config.max_sessions)
+            if self.config.metrics_port >= 0:
+                self.metrics_port = self.metrics.serve_http(self.config.metrics_host, self.config.metrics_port)
+            await self.server.start()
+            if self.config.openenv_port >= 0:
+                if self._openenv_endpoint is None:
+                    raise ValueError("an OpenEnv port needs the endpoint to serve on it (envserve.web's)")
+                from .openenv_front import LocalGateway
+                # The endpoint reads its limits and TLS files from the config.
+                self.openenv = self._openenv_endpoint(LocalGateway(self.replica),
+                                                      self.config.openenv_host or self.config.host,
+                                                      self.config.openenv_port, self.config.openenv_idle_seconds,
+                                                      config=self.config)
+                self.openenv.start()
+        except BaseException:  # a port taken: the workers already started go with the rest
+            await self.stop()
+            raise
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.directory = open_directory(self.config.directory_url)
@@ -176,7 +180,7 @@ class ReplicaServer:
         """Refuse new sessions, let in-flight calls finish, then stop."""
         if self.replica.draining:
             return
-        self.replica.draining = True
+        self.replica.begin_drain()
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         deadline = time.monotonic() + self.config.drain_timeout_seconds
@@ -238,6 +242,11 @@ async def serve_forever(config: ServerConfig, ready=None, openenv_endpoint=None)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: loop.create_task(server.drain_and_stop()))
+    if config.tokens and not config.tls_cert_file and config.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("tokens without TLS on %s: bearer tokens cross the network in clear; serve with --tls-cert "
+                    "--tls-key unless a private network or a mesh protects this port", config.host)
+    if config.inline and config.item_time_limit_seconds > 0:
+        log.info("--inline: items run in the front itself, so --item-time-limit is not enforced")
     envs = ", ".join(config.env_ids)
     extra = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
     inline = " (sessions step in this process)" if config.inline else ""

@@ -5,6 +5,8 @@ import secrets
 import socket
 from dataclasses import dataclass, field
 
+from envserve.common import http as http_defaults
+
 
 @dataclass
 class ServerConfig:
@@ -24,6 +26,18 @@ class ServerConfig:
     lone_request_wait_seconds: float = 0.001
     max_sessions: int = 10_000
     max_open_per_call: int = 4096
+    # Items of one Step, Reset, Close or InteractRequest at most (a bigger call is INVALID_ARGUMENT).
+    max_batch_items: int = 4096
+    # Items of one Interact stream in flight or answered but not yet read by its client; past this
+    # the stream's requests wait unread (backpressure instead of memory).
+    max_stream_items: int = 4096
+    # Seconds one step, reset, fork copy or replay may run (0: no limit): past it the item is
+    # stopped and answers DEADLINE_EXCEEDED; a worker still busy with it stuck_grace_seconds later
+    # (an env that cannot be interrupted) is replaced, its sessions lost as after a crash.
+    item_time_limit_seconds: float = 60.0
+    stuck_grace_seconds: float = 30.0
+    # How often workers are asked which sessions they hold, to close those the front does not know.
+    orphan_sweep_seconds: float = 30.0
     lease_seconds: float = 300.0
     reap_interval_seconds: float = 0.0  # 0: a tenth of the lease, at most 5 s
     metrics_port: int = -1  # -1: no metrics endpoint; 0: a free port
@@ -44,6 +58,13 @@ class ServerConfig:
     openenv_port: int = -1
     openenv_host: str = ""
     openenv_idle_seconds: float = 300.0
+    # The replica's HTTP fronts (the OpenEnv endpoint, and `up --http-port`'s facade): request
+    # bodies and WebSocket messages up to this size, OpenEnv sessions opened over plain HTTP up to
+    # this many, and bearer tokens over plain HTTP from other machines only when allowed (TLS ended
+    # by a proxy in front). Over TLS they serve tls_cert_file, as the gRPC port does.
+    max_body_bytes: int = http_defaults.MAX_BODY_BYTES
+    openenv_max_http_sessions: int = http_defaults.OPENENV_MAX_HTTP_SESSIONS
+    allow_plain_http_tokens: bool = False
     # The directory replicas register in (memory:// in this process, or redis://host:port/db).
     directory_url: str = "memory://"
     advertise_address: str = ""  # host:port others reach this replica on; default host:port
@@ -59,6 +80,9 @@ class ServerConfig:
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_client_ca_file: str = ""  # set: clients must present a certificate signed by this CA
+    # The operator's bounds on env configs (envserve.core.limits): env id or "*" -> key -> JSON
+    # Schema keywords replacing the built-in ones.
+    config_limits: dict = field(default_factory=dict)
 
     def resolved_advertise(self, port: int) -> str:
         if self.advertise_address:

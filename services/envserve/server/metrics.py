@@ -63,6 +63,13 @@ class Metrics(MetricsEndpoint):
                                       "Sessions a drain moved to other replicas", registry=self.registry)
         self.sessions_reaped = Counter("envserve_sessions_reaped_total", "Sessions closed when their lease expired",
                                        registry=self.registry)
+        # What the orphan sweep saw: equal to the live sessions unless a worker holds sessions the
+        # front lost track of (which the sweep then closes).
+        self.worker_sessions = Gauge("envserve_worker_sessions", "Sessions each worker holds, at the last sweep",
+                                     ["worker"], registry=self.registry)
+        self.orphans_closed = Counter("envserve_orphan_sessions_closed_total",
+                                      "Sessions a worker held without a record in the front, closed by the sweep",
+                                      registry=self.registry)
 
     def observe_step(self, env: str, seconds: float) -> None:
         self.step_seconds.observe(env, seconds)

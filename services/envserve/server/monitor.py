@@ -22,8 +22,9 @@ class MonitorService(pb_grpc.MonitorServiceServicer):
         self.r = replica
 
     async def ListSessions(self, request, context):
-        # Authorised like StateService: a state token sees every session, a session token its own.
-        owner = await caller(context, self.r.auth.state_owner)
+        # Authorised like StateService: a session token sees its own sessions, a state token those
+        # that grant it (every one where the operator lets it read all).
+        reader = await caller(context, self.r.auth.reader)
         r = self.r
         if request.limit < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"limit must be >= 0, got {request.limit}")
@@ -35,7 +36,7 @@ class MonitorService(pb_grpc.MonitorServiceServicer):
         for sid, rec in list(r.sessions.items()):
             if request.env_id and rec.env_id != request.env_id:
                 continue
-            if owner is not None and rec.owner != owner:
+            if not reader.may_read(rec.owner, rec.readers):
                 continue
             total += 1
             by_worker.setdefault(rec.worker.slot, (rec.worker, []))[1].append(sid)

@@ -13,18 +13,21 @@ import asyncio
 import logging
 
 import grpc
-from google.protobuf import json_format
 
 from envserve.common.errors import ApiError
+from envserve.common.lru import IdleLRU
 from envserve.rpc.auth import Denied
+from envserve.rpc.values import BadValue, struct_to_dict
 from envserve.v1 import envserve_pb2 as pb
 
 from . import convert
 from .pool import WorkerHandle
+from .quotas import QuotaExceeded
 from .service import Refused, Replica, _cap, _reset_item
 
 log = logging.getLogger("envserve.server.openenv")
 IN_FLIGHT = 1  # measured: 2 cost more CPU a step (smaller batches), for no more steps/s
+BATCHERS_KEPT = 1024  # callers' credentials whose batchers are kept between calls
 
 
 class _Metadata:
@@ -41,31 +44,37 @@ class LocalGateway:
     """What envserve.web.openenv needs of a Gateway (open, close, batched single steps and
     resets, spec, serving), answered by this replica's own sessions."""
 
-    def __init__(self, replica: Replica):
+    def __init__(self, replica: Replica, batchers_kept: int = BATCHERS_KEPT):
         self.r = replica
-        self._batchers: dict[tuple, LocalBatcher] = {}  # by the caller's metadata
+        # By the caller's metadata: tokens come and go, so the idle batchers used least recently
+        # make room (one with items out or waiting is never dropped).
+        self._batchers: IdleLRU[LocalBatcher] = IdleLRU(batchers_kept, LocalBatcher.idle)
 
-    def _owner(self, md) -> str:
+    def owner(self, md) -> str:
+        """The caller's owner id, as EnvService finds it ("" with auth off); ApiError
+        UNAUTHENTICATED or PERMISSION_DENIED for a token this replica refuses."""
         try:
             return self.r.auth.env_owner(_Metadata(tuple(md)))
         except Denied as e:
             raise ApiError(e.code, e.message) from None
 
     async def open(self, req: pb.OpenRequest, md) -> tuple[None, pb.OpenResponse]:
-        owner = self._owner(md)
-        config = json_format.MessageToDict(req.config) if req.HasField("config") else {}
+        owner = self.owner(md)
         try:
+            config = struct_to_dict(req.config) if req.HasField("config") else {}
             ids, prompt = await self.r.open(req.env_id, req.count, config, req.action_format, owner)
+        except BadValue as e:
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except Refused as e:
             raise ApiError(e.code, e.message) from None
         return None, pb.OpenResponse(session_ids=ids, lease_seconds=self.r.config.lease_seconds,
                                      system_prompt=prompt)
 
     async def close_sessions(self, ids: list[str], md) -> list[pb.ItemStatus]:
-        return await self.r.close_sessions(list(ids), self._owner(md))
+        return await self.r.close_sessions(list(ids), self.owner(md))
 
     async def serving(self, env_id: str, md) -> list:
-        self._owner(md)
+        self.owner(md)
         if env_id not in self.r.specs:
             raise ApiError(grpc.StatusCode.NOT_FOUND,
                            f"env {env_id!r} is not served here; served: {self.r.env_ids}")
@@ -76,12 +85,8 @@ class LocalGateway:
         return convert.spec_to_proto(self.r.specs[env_id])
 
     def batcher(self, _replica, md) -> "LocalBatcher":
-        b = self._batchers.get(md)
-        if b is None:
-            if len(self._batchers) > 4096:  # tokens come and go: never let the cache grow without end
-                self._batchers.clear()
-            b = self._batchers[md] = LocalBatcher(self.r, self._owner(md))
-        return b
+        md = tuple(md)  # a token the replica refuses makes no batcher: owner() raises
+        return self._batchers.get(md, lambda: LocalBatcher(self.r, self.owner(md)))
 
     async def close(self) -> None:
         self._batchers.clear()
@@ -100,6 +105,10 @@ class LocalBatcher:
         self._waiting: dict[int, tuple[WorkerHandle, list, list, list]] = {}  # by id of the worker
         self._busy: dict[int, int] = {}  # messages out, by worker slot
         self._scheduled = False
+
+    def idle(self) -> bool:
+        """No item waits or is out: dropping it loses no caller's item."""
+        return not (self._items or self._waiting or self._scheduled or any(self._busy.values()))
 
     def _queue(self, item: tuple) -> asyncio.Future:
         loop = asyncio.get_running_loop()
@@ -128,6 +137,13 @@ class LocalBatcher:
                 if not fut.done():
                     fut.set_result(convert.error_result(item[1], code, message))
                 continue
+            try:   # the caller's quota counts items from every door
+                r.quotas.take_items(self.owner, 1)
+            except QuotaExceeded as e:
+                r.metrics.errors.labels("RESOURCE_EXHAUSTED").inc()
+                if not fut.done():
+                    fut.set_result(convert.error_result(item[1], "RESOURCE_EXHAUSTED", str(e)))
+                continue
             w = rec.worker
             g = waiting.get(id(w))
             if g is None:
@@ -148,14 +164,15 @@ class LocalBatcher:
 
     def _send(self, w: WorkerHandle, items: list, futs: list, env_ids: list) -> None:
         r, slot = self.r, w.slot
-        r.enter()
+        r.enter(len(items))
         self._busy[slot] = self._busy.get(slot, 0) + 1
         left = [len(items)]
         observe = r.metrics.observe_step
 
         def finish() -> None:
+            r.leave(left[0])
+            r.quotas.give_items(self.owner, left[0])
             left[0] = 0
-            r.leave()
             self._done(slot)
 
         def on_item(result) -> None:
@@ -173,7 +190,10 @@ class LocalBatcher:
                 if not fut.done():
                     fut.set_result(pb.StepResult.FromString(data))
             left[0] -= len(result)
+            r.leave(len(result))
+            r.quotas.give_items(self.owner, len(result))
             if left[0] <= 0:
+                left[0] = 0
                 finish()
 
         r.pool.stream(w, items, on_item)

@@ -7,7 +7,11 @@ instead of sleeping in the loop, and the step's request tells its worker to poll
 caller's next one (lone_request_wait_s, worker.NextRequestWait): a serial caller pays no
 wake-up of either process.
 When a worker dies, its pending requests fail with WorkerLost, its sessions are reported lost,
-and a new worker takes its slot.
+and a new worker takes its slot. A worker busy with one item past the time limit and its grace
+(an env that cannot be interrupted, or code that never returns to Python) is killed the same way,
+its item answering DEADLINE_EXCEEDED (kill_stuck). A cancelled request (its caller gone) is told
+to its worker through the array they share (worker.WorkGuard): its items not yet started are
+skipped, the running one is interrupted where its env allows.
 """
 from __future__ import annotations
 
@@ -18,17 +22,26 @@ import multiprocessing as mp
 import os
 import pickle
 import select
+import signal
 import struct
 import time
 from typing import Callable
 
-from .worker import Worker, worker_main
+from . import convert
+from .worker import (BUSY_SINCE, CANCEL_RING, CANCEL_SEQ, CURRENT_INDEX, CURRENT_REQUEST, SHARED_SLOTS, Worker,
+                     worker_main)
 
 log = logging.getLogger("envserve.pool")
 
 
 # After a lone reply outlasts the wait, this many lone replies go to the loop before polling again.
 LONE_WAIT_BACKOFF = 32
+# A cancelled request's running item is interrupted once it has run this long: a shorter one ends
+# sooner than the interruption would help, and would only leave its session to be reset.
+INTERRUPT_AFTER_S = 0.1
+# How often the front looks for items to interrupt (cancelled, past INTERRUPT_AFTER_S) and for
+# workers stuck past the time limit and its grace.
+WATCH_PERIOD_S = 0.1
 # Polling starts after this many steps in a row went out alone: one caller stepping serially.
 # Where callers overlap, a step is alone now and then only, and the loop is better left to
 # gather the others' steps than held for its reply.
@@ -36,7 +49,12 @@ LONE_STREAK = 8
 
 
 class WorkerLost(Exception):
-    pass
+    """The worker died (or was killed) with the request out. stuck_index: the item it was running
+    when it was killed for passing the time limit, which answers DEADLINE_EXCEEDED."""
+
+    def __init__(self, message: str, stuck_index: int | None = None, stuck_message: str = ""):
+        super().__init__(message)
+        self.stuck_index, self.stuck_message = stuck_index, stuck_message
 
 
 class WorkerHandle:
@@ -46,12 +64,19 @@ class WorkerHandle:
     does not fit waits for add_writer), so the loop never blocks and no thread waits on the GIL;
     the worker reads them with an ordinary Connection, whose framing we write by hand."""
 
-    def __init__(self, slot: int, ctx, preload: list[str]):
+    def __init__(self, slot: int, ctx, preload: list[str], time_limit_s: float = 0.0, limits=None):
         self.slot = slot
         req_r, req_w = ctx.Pipe(duplex=False)
         rep_r, rep_w = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=worker_main, args=(req_r, rep_w, preload), daemon=True,
-                                   name=f"envserve-worker-{slot}")
+        # What the worker runs and since when, and which requests were cancelled (worker.WorkGuard).
+        self.shared = ctx.RawArray("q", SHARED_SLOTS)
+        self._cancels = 0
+        # Cancelled requests still out: their running item is interrupted once it has run a while.
+        self.to_interrupt: set[int] = set()
+        # Set when the front killed it for running one item too long: (request id, index, message).
+        self.stuck: tuple[int, int, str] | None = None
+        self.process = ctx.Process(target=worker_main, args=(req_r, rep_w, preload, self.shared, time_limit_s, limits),
+                                   daemon=True, name=f"envserve-worker-{slot}")
         self.process.start()
         req_r.close()
         rep_w.close()
@@ -74,6 +99,37 @@ class WorkerHandle:
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+
+    def cancel(self, request_ids) -> None:
+        """Tells the worker these requests' callers are gone: items not started are skipped, and
+        the one running is interrupted (SIGUSR1) where its env allows, once it has run
+        INTERRUPT_AFTER_S (interrupt_cancelled)."""
+        shared = self.shared
+        for rid in request_ids:
+            if rid in self.pending:
+                shared[4 + self._cancels % CANCEL_RING] = rid
+                self._cancels += 1
+                self.to_interrupt.add(rid)
+        shared[CANCEL_SEQ] = self._cancels
+        self.interrupt_cancelled()
+
+    def interrupt_cancelled(self) -> None:
+        if not self.to_interrupt:
+            return
+        self.to_interrupt.intersection_update(self.pending)   # those answered need nothing more
+        shared = self.shared
+        current = shared[CURRENT_REQUEST]
+        if current in self.to_interrupt and self.alive and self.busy_seconds() >= INTERRUPT_AFTER_S:
+            self.to_interrupt.discard(current)
+            try:
+                os.kill(self.pid, signal.SIGUSR1)
+            except OSError:
+                pass
+
+    def busy_seconds(self) -> float:
+        """How long the worker has been running its current item (0 when idle)."""
+        since = self.shared[BUSY_SINCE]
+        return (time.monotonic_ns() - since) / 1e9 if since else 0.0
 
     def send(self, message) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -133,6 +189,15 @@ class InlineWorker:
         self.sessions: set[str] = set()
         self.pid = os.getpid()
 
+    def cancel(self, request_ids) -> None:
+        pass  # an inline call runs to its end before the loop sees its cancel
+
+    def interrupt_cancelled(self) -> None:
+        pass
+
+    def busy_seconds(self) -> float:
+        return 0.0
+
     def run(self, op: str, payload):
         try:
             result = self.ops[op](payload)
@@ -150,7 +215,8 @@ class WorkerPool:
     """`size` worker processes, or with `inline` one InlineWorker in this process."""
 
     def __init__(self, size: int, preload: list[str], on_death: Callable[[WorkerHandle], None],
-                 inline: bool = False, lone_reply_wait_s: float = 0.0, lone_request_wait_s: float = 0.0):
+                 inline: bool = False, lone_reply_wait_s: float = 0.0, lone_request_wait_s: float = 0.0,
+                 time_limit_s: float = 0.0, stuck_grace_s: float = 0.0, limits=None):
         # forkserver: workers start from a clean process, not a fork of the gRPC front
         # (forking a process with gRPC threads or a GL context can hang).
         try:
@@ -173,6 +239,12 @@ class WorkerPool:
         self._lone_wait_skips = 0
         self._lone_streak = 0  # steps in a row sent with no other request out
         self._lone_wait_scheduled = False
+        # Per item (0: none): past time_limit_s an item is interrupted in its worker; past
+        # time_limit_s + stuck_grace_s its worker is killed.
+        self.time_limit_s = time_limit_s
+        self.stuck_grace_s = stuck_grace_s
+        self._limits = limits
+        self._watchdog: asyncio.Task | None = None
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -185,9 +257,43 @@ class WorkerPool:
         self.workers = list(handles)
         # A first round trip proves every worker imported its envs.
         await asyncio.gather(*[self.call(w, "ping", None) for w in self.workers])
+        self._watchdog = self._loop.create_task(self._watch())
 
     def _spawn(self, slot: int) -> WorkerHandle:
-        return WorkerHandle(slot, self._ctx, self._preload)
+        return WorkerHandle(slot, self._ctx, self._preload, self.time_limit_s, self._limits)
+
+    async def _watch(self) -> None:
+        while not self.closing:
+            await asyncio.sleep(WATCH_PERIOD_S)
+            try:
+                for h in self.workers:
+                    if h.alive:
+                        h.interrupt_cancelled()
+                if self.time_limit_s > 0:
+                    self.kill_stuck()
+            except Exception:
+                log.exception("the watch over the workers failed")
+
+    def kill_stuck(self) -> list[WorkerHandle]:
+        """Kills each worker busy with one item for longer than the time limit and its grace: an
+        env that cannot be interrupted, or code that never returned to Python. Its death is then
+        handled as any other (its sessions lost, a new worker in its slot), except that the item
+        it was running answers DEADLINE_EXCEEDED."""
+        limit = self.time_limit_s + self.stuck_grace_s
+        killed = []
+        for h in self.workers:
+            if self.inline or not h.alive or h.stuck is not None:
+                continue
+            busy = h.busy_seconds()
+            if busy > limit:
+                shared = h.shared
+                h.stuck = (shared[CURRENT_REQUEST], shared[CURRENT_INDEX],
+                           f"it ran past the replica's time limit of {self.time_limit_s:g} s per item and did not "
+                           f"stop within {self.stuck_grace_s:g} s more; its worker was replaced")
+                log.warning("worker %d (pid %s) busy with one item for %.1f s: killed", h.slot, h.pid, busy)
+                h.process.kill()
+                killed.append(h)
+        return killed
 
     def _attach(self, h: WorkerHandle) -> None:
         h.attach(self._loop)
@@ -220,12 +326,19 @@ class WorkerPool:
         self._loop.remove_reader(h.conn.fileno())
         h.close_pipes()
         pending, h.pending = h.pending, {}
-        for target, expected in pending.values():
+        stuck_rid, stuck_index, stuck_message = h.stuck or (None, None, "")
+        why = f"worker {h.slot} was replaced: an item ran past the time limit" if h.stuck else f"worker {h.slot} died"
+        for rid, (target, expected) in pending.items():
+            index = stuck_index if rid == stuck_rid else None
             if expected is None:
                 if not target.done():
-                    target.set_exception(WorkerLost(f"worker {h.slot} died"))
+                    target.set_exception(WorkerLost(why, index, stuck_message))
             else:
-                target(WorkerLost(f"worker {h.slot} died"))
+                if index is not None and index < len(expected[1]):
+                    sid = expected[1][index][1]
+                    target([(index, convert.error_result(sid, "DEADLINE_EXCEEDED", stuck_message).SerializeToString(),
+                             0.0)])
+                target(WorkerLost(why))
         if self.closing:
             return
         log.warning("worker %d (pid %s) died; %d sessions lost", h.slot, h.pid, len(h.sessions))
@@ -247,35 +360,42 @@ class WorkerPool:
 
     def call(self, h: WorkerHandle, op: str, payload) -> asyncio.Future:
         """One request, one reply."""
+        return self.request(h, op, payload)[0]
+
+    def request(self, h: WorkerHandle, op: str, payload) -> tuple[asyncio.Future, int]:
+        """call(), and the request's id (for cancel; 0 where nothing can be cancelled)."""
         fut = self._loop.create_future()
         if not h.alive:
             fut.set_exception(WorkerLost(f"worker {h.slot} is not running"))
-            return fut
+            return fut, 0
         if self.inline:
             fut.set_result(h.run(op, payload))
-            return fut
+            return fut, 0
         request_id = next(self._ids)
         wait_s = self._next_request_wait() if op == "batch" else 0.0
         h.pending[request_id] = (fut, None)
         h.send((request_id, op, payload, wait_s))
         if op == "batch":
             self._schedule_lone_wait()
-        return fut
+        return fut, request_id
 
-    def stream(self, h: WorkerHandle, items: list, on_item: Callable) -> None:
+    def stream(self, h: WorkerHandle, items: list, on_item: Callable) -> int:
         """Items answered as they finish: on_item([(index, bytes, seconds), ...]) per reply, or
-        on_item(WorkerLost) once for all that are still out."""
+        on_item(WorkerLost) once for all that are still out. Returns the request's id (0 where
+        nothing can be cancelled). The item a worker was killed for (past the time limit) comes
+        as its DEADLINE_EXCEEDED result before the WorkerLost of the rest."""
         if not h.alive:
             on_item(WorkerLost(f"worker {h.slot} is not running"))
-            return
+            return 0
         if self.inline:
             on_item(h.run("stream", items))
-            return
+            return 0
         request_id = next(self._ids)
         wait_s = self._next_request_wait()
-        h.pending[request_id] = (on_item, [len(items)])
+        h.pending[request_id] = (on_item, [len(items), items])
         h.send((request_id, "stream", items, wait_s))
         self._schedule_lone_wait()
+        return request_id
 
     def _next_request_wait(self) -> float:
         """How long the worker of a step about to go out should poll for the next request after
@@ -332,6 +452,8 @@ class WorkerPool:
 
     async def close(self) -> None:
         self.closing = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if self.inline:
             h = self.workers[0]
             h.alive = False

@@ -8,13 +8,12 @@ import time
 from dataclasses import dataclass
 
 import grpc
-from google.protobuf import json_format
 
 from envserve.common.tables import sessions_per_table
 from envserve.core.env import resolve_config
-from envserve.core.registry import UnknownEnvironment, get_env_class, prefix_of
+from envserve.core.registry import get_env_class
 from envserve.core.session import full_spec
-from envserve.rpc.auth import Authenticator, Denied
+from envserve.rpc.auth import Authenticator, Denied, Reader
 from envserve.rpc.values import code_number
 from envserve.v1 import envserve_pb2 as pb
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
@@ -23,6 +22,7 @@ from . import convert
 from .config import ServerConfig
 from .metrics import Metrics
 from .pool import WorkerHandle, WorkerLost, WorkerPool
+from .quotas import Quotas, QuotaExceeded
 from .tables import Tables
 
 log = logging.getLogger("envserve.server")
@@ -44,6 +44,8 @@ class SessionRecord:
     worker: WorkerHandle
     deadline: float
     owner: str = ""  # digest of the token that opened it ("" without auth)
+    # Names of the state tokens its owner let read it (at Open, or in the owner's token entry).
+    readers: frozenset = frozenset()
 
 
 class Replica:
@@ -56,7 +58,12 @@ class Replica:
         self.env_ids = list(config.env_ids)
         self.specs = {e: get_env_class(e).spec for e in self.env_ids}
         self.auth = Authenticator(config.tokens, config.state_tokens)
+        self.quotas = Quotas(self.auth, config.max_sessions, config.max_open_per_call)
         self.sessions: dict[str, SessionRecord] = {}
+        # Ids a worker may hold before the front records them (an Open, Fork or Restore under way,
+        # or one whose caller left and whose sessions are being closed): the orphan sweep skips them.
+        self.building: set[str] = set()
+        self._cleanups: set[asyncio.Task] = set()
         self.lost: dict[str, tuple[str, float]] = {}
         # Sessions a drain moved to other replicas: old id -> new id. While they move, their calls
         # answer UNAVAILABLE (a step now would be lost in the copy); after, NOT_FOUND naming the new id.
@@ -64,12 +71,18 @@ class Replica:
         self.moving = False
         self.pool = WorkerPool(config.resolved_workers(), self.env_ids, self._on_worker_death, inline=config.inline,
                                 lone_reply_wait_s=config.lone_reply_wait_seconds,
-                                lone_request_wait_s=config.lone_request_wait_seconds)
+                                lone_request_wait_s=config.lone_request_wait_seconds,
+                                time_limit_s=config.item_time_limit_seconds,
+                                stuck_grace_s=config.stuck_grace_seconds, limits=config.config_limits or None)
         self.draining = False
+        # Calls and stream items being worked on: a drain waits for these, not for open streams.
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self._reaper: asyncio.Task | None = None
+        self._last_sweep = time.monotonic()
+        # Wake-ups of the open Interact streams, so a drain can end the idle ones at once.
+        self.streams: set[asyncio.Event] = set()
         self.tables = Tables(self)
 
     async def start(self, replica_id: str) -> None:
@@ -83,14 +96,20 @@ class Replica:
         await self.pool.close()
 
     # -- in-flight accounting, for drain --------------------------------------------------
-    def enter(self) -> None:
-        self.in_flight += 1
+    def enter(self, n: int = 1) -> None:
+        self.in_flight += n
         self._idle.clear()
 
-    def leave(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight == 0:
+    def leave(self, n: int = 1) -> None:
+        self.in_flight -= n
+        if self.in_flight <= 0:
             self._idle.set()
+
+    def begin_drain(self) -> None:
+        """Refuses new sessions from now on, and wakes every stream so that the idle ones end."""
+        self.draining = True
+        for wake in list(self.streams):
+            wake.set()
 
     async def wait_idle(self, timeout: float) -> bool:
         try:
@@ -103,14 +122,24 @@ class Replica:
     def new_session_id(self) -> str:
         return f"{self.replica_id}/{secrets.token_hex(8)}"
 
-    def lookup(self, sid: str, owner: str | None = "") -> tuple[SessionRecord | None, str, str]:
+    def lookup(self, sid: str, owner: str | None = "", reader: Reader | None = None
+               ) -> tuple[SessionRecord | None, str, str]:
         """The session's record, or an error (code, message). Any lookup renews the lease.
-        owner None may see every session (a state token); otherwise it must match the opener."""
+        owner None may see every session; otherwise it must match the opener. A reader (the
+        ground-truth services) sees the sessions it may read instead."""
         rec = self.sessions.get(sid)
         if rec is not None and self.moving:
             return None, "UNAVAILABLE", "replica is draining: the session is moving to another replica"
         if rec is not None:
-            if owner is not None and rec.owner != owner:
+            if reader is not None:
+                if not reader.may_read(rec.owner, rec.readers):
+                    return None, "PERMISSION_DENIED", (
+                        f"session {sid!r} belongs to another token" if reader.owner is not None else
+                        f"session {sid!r} belongs to another token than the judge's caller"
+                        if reader.on_behalf is not None and reader.on_behalf != rec.owner else
+                        f"session {sid!r} does not let state token {reader.name!r} read it: its owner grants "
+                        f"that at Open (state_readers) or the operator in its token entry (grants=)")
+            elif owner is not None and rec.owner != owner:
                 return None, "PERMISSION_DENIED", f"session {sid!r} belongs to another token"
             rec.deadline = time.monotonic() + self.config.lease_seconds
             return rec, "", ""
@@ -120,11 +149,13 @@ class Replica:
             return None, LOST, f"session lost: {self.lost[sid][0]}"
         return None, "NOT_FOUND", f"unknown session {sid!r} (closed, expired or never opened)"
 
-    def add_sessions(self, ids: list[str], env_id: str, worker: WorkerHandle, owner: str = "") -> None:
+    def add_sessions(self, ids: list[str], env_id: str, worker: WorkerHandle, owner: str = "",
+                     readers: frozenset = frozenset()) -> None:
         deadline = time.monotonic() + self.config.lease_seconds
         for sid in ids:
-            self.sessions[sid] = SessionRecord(env_id, worker, deadline, owner)
+            self.sessions[sid] = SessionRecord(env_id, worker, deadline, owner, readers)
             worker.sessions.add(sid)
+        self.quotas.opened(owner, len(ids))
         self.metrics.live_sessions.labels(env_id).inc(len(ids))
         self.metrics.replica_live_sessions.set(len(self.sessions))
 
@@ -134,13 +165,15 @@ class Replica:
         rec = self.sessions.pop(sid, None)
         if rec is not None:
             rec.worker.sessions.discard(sid)
+            self.quotas.closed(rec.owner)
             self.metrics.live_sessions.labels(rec.env_id).dec()
             self.metrics.replica_live_sessions.set(len(self.sessions))
         return rec
 
     def _on_worker_death(self, h: WorkerHandle) -> None:
         until = time.monotonic() + self.config.lost_memory_seconds
-        reason = f"its worker process (pid {h.pid}) died"
+        reason = (f"its worker process (pid {h.pid}) was replaced: one of its items ran past the replica's time "
+                  f"limit and did not stop" if getattr(h, "stuck", None) else f"its worker process (pid {h.pid}) died")
         for sid in list(h.sessions):
             for seat in self.tables.host_ended(sid, LOST, f"session lost: {reason}"):
                 self.lost[seat] = (reason, until)
@@ -168,8 +201,66 @@ class Replica:
             try:
                 self.pool.check_processes()
                 await self.reap()
+                if time.monotonic() - self._last_sweep >= self.config.orphan_sweep_seconds:
+                    self._last_sweep = time.monotonic()
+                    await self.sweep_orphans()
             except Exception:
                 log.exception("reaper failed")
+
+    async def sweep_orphans(self) -> int:
+        """Closes the sessions a worker holds that the front does not know (their Open's caller
+        left before they were recorded, and their closing failed), and records how many sessions
+        each worker holds. Returns how many it closed."""
+        workers = self.pool.alive_workers()
+        replies = await asyncio.gather(*[self.pool.call(w, "held", None) for w in workers], return_exceptions=True)
+        closed = 0
+        for w, held in zip(workers, replies):
+            if isinstance(held, BaseException) or not isinstance(held, list):
+                continue
+            orphans = [sid for sid in held if sid not in self.sessions and sid not in self.building]
+            self.metrics.worker_sessions.labels(str(w.slot)).set(len(held) - len(orphans))
+            if orphans:
+                log.warning("worker %d held %d sessions the front does not know: closing them", w.slot, len(orphans))
+                self.metrics.orphans_closed.inc(len(orphans))
+                closed += len(orphans)
+                try:
+                    await self.pool.call(w, "close", orphans)
+                except WorkerLost:
+                    pass
+        return closed
+
+    async def build(self, plan: list[tuple[WorkerHandle, list[str], str, object]]) -> list:
+        """Sends each (worker, ids, op, payload) that makes sessions and returns the replies (an
+        exception where a worker failed). If the caller leaves first (its deadline, a cancel), the
+        workers are told to stop, and whatever they made anyway is closed once they answer: a
+        session is never left in a worker without its record in the front."""
+        ids = [sid for _, sids, _, _ in plan for sid in sids]
+        self.building.update(ids)
+        sent = [(w, *self.pool.request(w, op, payload)) for w, _, op, payload in plan]
+        calls = asyncio.gather(*[fut for _, fut, _ in sent], return_exceptions=True)
+        try:
+            return await asyncio.shield(calls)
+        except asyncio.CancelledError:
+            for w, _, rid in sent:
+                if rid:
+                    w.cancel([rid])
+
+            made = list(ids)
+
+            async def close_what_was_made():
+                try:
+                    await calls
+                    await asyncio.gather(*[self.pool.call(w, "close", sids) for w, sids, _, _ in plan],
+                                         return_exceptions=True)
+                finally:
+                    self.building.difference_update(made)
+            task = asyncio.get_running_loop().create_task(close_what_was_made())
+            self._cleanups.add(task)   # the loop keeps only a weak reference to a task
+            task.add_done_callback(self._cleanups.discard)
+            ids = []  # they leave `building` once closed
+            raise
+        finally:
+            self.building.difference_update(ids)
 
     async def reap(self) -> int:
         now = time.monotonic()
@@ -273,8 +364,27 @@ class Replica:
                              return_exceptions=True)
 
     # -- opening sessions -----------------------------------------------------------------
+    def admit(self, owner: str, count: int) -> None:
+        """Raises Refused (RESOURCE_EXHAUSTED) when count more sessions do not fit the replica or
+        the owner's quotas."""
+        if len(self.sessions) + len(self.building) + count > self.config.max_sessions:
+            self.metrics.errors.labels("RESOURCE_EXHAUSTED").inc()
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"replica is full: {len(self.sessions)} of {self.config.max_sessions} sessions open")
+        try:
+            self.quotas.admit_sessions(owner, count)
+        except QuotaExceeded as e:
+            self.metrics.errors.labels("RESOURCE_EXHAUSTED").inc()
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+
+    def readers_for(self, owner: str, requested=()) -> frozenset:
+        try:
+            return self.auth.readers_for(owner, requested) if self.auth.state_policies else frozenset()
+        except Denied as e:
+            raise Refused(e.code, e.message) from None
+
     async def open(self, env_id: str, count: int, config: dict, action_format: str,
-                   owner: str = "") -> tuple[list[str], str]:
+                   owner: str = "", state_readers=()) -> tuple[list[str], str]:
         """Opens count sessions of env_id (0: one) spread over the workers: (ids, system prompt).
         Raises Refused with the gRPC status the Open call answers."""
         if self.draining:
@@ -284,25 +394,20 @@ class Replica:
                                           lambda code, message: Refused(getattr(grpc.StatusCode, code), message))
         spec = self.specs.get(env_id)
         if spec is None:
-            # An id of a served prefix family that the family cannot build is the caller's mistake.
-            if any(prefix_of(e) and prefix_of(e) == prefix_of(env_id) for e in self.env_ids):
-                try:
-                    get_env_class(env_id)
-                except UnknownEnvironment as e:
-                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            # Only the ids the replica was started with: building a class for any other (an
+            # `openenv:<module>:<Class>` imports the module) would run the caller's choice of code
+            # here. Why a family cannot serve an id is told to the operator, at `envserve serve`.
             raise Refused(grpc.StatusCode.NOT_FOUND, f"env {env_id!r} is not served here; served: {self.env_ids}")
         count = count or 1
         if count < 0 or count > self.config.max_open_per_call:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                           f"count must be 1..{self.config.max_open_per_call}, got {count}")
-        if len(self.sessions) + count > self.config.max_sessions:
-            self.metrics.errors.labels("RESOURCE_EXHAUSTED").inc()
-            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"replica is full: {len(self.sessions)} of {self.config.max_sessions} sessions open")
         try:
             resolve_config(full_spec(spec), config)
         except ValueError as e:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        readers = self.readers_for(owner, state_readers)
+        self.admit(owner, count)
         workers = self.pick_workers(count)
         if not workers:
             raise Refused(grpc.StatusCode.UNAVAILABLE, "no worker is running; try again shortly")
@@ -312,14 +417,14 @@ class Replica:
             plan: dict[int, tuple[WorkerHandle, list[str]]] = {}
             for sid, w in zip(ids, workers):
                 plan.setdefault(w.slot, (w, []))[1].append(sid)
-            calls = [self.pool.call(w, "open", (env_id, config, action_format, sids)) for w, sids in plan.values()]
-            replies = await asyncio.gather(*calls, return_exceptions=True)
+            replies = await self.build([(w, sids, "open", (env_id, config, action_format, sids))
+                                        for w, sids in plan.values()])
             failure, prompt = None, ""
             for (w, sids), reply in zip(plan.values(), replies):
                 if isinstance(reply, BaseException) or reply[0] != "ok":
                     failure = failure or reply
                 else:
-                    self.add_sessions(sids, env_id, w, owner)
+                    self.add_sessions(sids, env_id, w, owner, readers)
                     prompt = reply[1]
             if failure is not None:
                 await self.close_sessions([sid for sid in ids if sid in self.sessions])
@@ -350,8 +455,23 @@ class Replica:
         return results, groups
 
     async def run_batch(self, items: list[tuple], owner: str = "") -> bytes:
-        """The serialized BatchResponse: the workers' framed elements joined in request order."""
-        return b"".join(await self.run_elements(items, owner))
+        """The serialized BatchResponse: the workers' framed elements joined in request order. An
+        element that would take the reply past the message limit is replaced by its error (the
+        step ran; GetState reads what it saw), so the caller is never answered with nothing."""
+        elements = await self.run_elements(items, owner)
+        budget = self.config.max_message_bytes - 1024
+        total = sum(map(len, elements))
+        if total > budget:
+            kept = 0
+            for i, element in enumerate(elements):
+                if kept + len(element) > budget:
+                    sid = items[i][1]
+                    elements[i] = convert.batch_element(convert.error_result(
+                        sid, "RESOURCE_EXHAUSTED", f"this result ({len(element)} bytes) did not fit the reply's "
+                        f"limit of {self.config.max_message_bytes} bytes with the others; it ran: read its "
+                        "observation with GetState, and step fewer sessions per call").SerializeToString())
+                kept += len(elements[i])
+        return b"".join(elements)
 
     async def run_elements(self, items: list[tuple], owner: "str | None" = "") -> list[bytes]:
         """Each item's StepResult framed as an element of BatchResponse.results, in request order.
@@ -369,13 +489,22 @@ class Replica:
                 out[i] = convert.batch_element(data)
             return out
         results, groups = self.route(items, owner)
-        calls = [self.pool.call(w, "batch", group_items) for w, _, group_items, _ in groups.values()]
-        replies = await asyncio.gather(*calls, return_exceptions=True)
+        sent = [(w, *self.pool.request(w, "batch", group_items)) for w, _, group_items, _ in groups.values()]
+        try:
+            replies = await asyncio.gather(*[fut for _, fut, _ in sent], return_exceptions=True)
+        except asyncio.CancelledError:  # the caller left: its items not yet run are skipped
+            for w, _, rid in sent:
+                if rid:
+                    w.cancel([rid])
+            raise
         observe = self.metrics.observe_step
         for (w, indices, group_items, env_ids), reply in zip(groups.values(), replies):
             if isinstance(reply, BaseException):
-                for i, item in zip(indices, group_items):
-                    results[i] = convert.batch_element(self.lost_result(item[1], reply))
+                stuck = getattr(reply, "stuck_index", None)
+                for k, (i, item) in enumerate(zip(indices, group_items)):
+                    results[i] = convert.batch_element(
+                        convert.error_result(item[1], "DEADLINE_EXCEEDED", reply.stuck_message).SerializeToString()
+                        if k == stuck else self.lost_result(item[1], reply))
                 continue
             for i, env_id, (data, seconds) in zip(indices, env_ids, reply):
                 results[i] = data
@@ -422,44 +551,75 @@ class EnvService(pb_grpc.EnvServiceServicer):
 
     async def Open(self, request, context):
         owner = await caller(context, self.r.auth.env_owner)
-        config = json_format.MessageToDict(request.config) if request.HasField("config") else {}
+        config = convert.config_from_proto(request)
         try:
-            ids, prompt = await self.r.open(request.env_id, request.count, config, request.action_format, owner)
+            ids, prompt = await self.r.open(request.env_id, request.count, config, request.action_format, owner,
+                                            request.state_readers)
         except Refused as e:
             await context.abort(e.code, e.message)
         return pb.OpenResponse(session_ids=ids, lease_seconds=self.r.config.lease_seconds, system_prompt=prompt,
                                live_sessions=len(self.r.sessions), counted_unix=time.time())
 
     async def Reset(self, request, context):
-        return await self._batch([_reset_item(it) for it in request.items], context)
+        return await self._batch(request.items, _reset_item, context)
 
     async def Step(self, request, context):
-        return await self._batch([("step", it.session_id, _cap(it.action)) for it in request.items], context)
+        return await self._batch(request.items, _step_item, context)
 
-    async def _batch(self, items, context) -> bytes:
+    async def _batch(self, request_items, make_item, context) -> bytes:
         # Returns the serialized BatchResponse: worker-made results are framed, not re-encoded.
-        owner = await caller(context, self.r.auth.env_owner)
-        self.r.enter()
+        r = self.r
+        owner = await caller(context, r.auth.env_owner)
+        n = len(request_items)
+        if n > r.config.max_batch_items:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{n} items in one call; at most "
+                                f"{r.config.max_batch_items} (--max-batch-items): split the batch")
         try:
-            return await self.r.run_batch(items, owner)
+            r.quotas.take_items(owner, n)
+        except QuotaExceeded as e:
+            r.metrics.errors.labels("RESOURCE_EXHAUSTED").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        r.enter(n)
+        try:
+            return await r.run_batch([make_item(it) for it in request_items], owner)
         finally:
-            self.r.leave()
+            r.leave(n)
+            r.quotas.give_items(owner, n)
 
     async def Interact(self, request_iterator, context):
         """Results stream back as workers finish them; whatever is ready when the writer wakes
-        travels in one response. Returns serialized InteractResponses (see app.py)."""
+        travels in one response. Returns serialized InteractResponses (see app.py).
+
+        Bounded: at most max_stream_items items of one stream are in flight or written but not
+        yet read by the client; past that the stream's requests are not read (the client's sends
+        wait, as gRPC's flow control makes them), so a client that never reads holds no more than
+        that. A stream that ends (the client left, or its call was cancelled) cancels the work it
+        started. A drain ends streams with nothing in flight at once, with UNAVAILABLE."""
         r = self.r
         owner = await caller(context, r.auth.env_owner)
         loop = asyncio.get_running_loop()
         ready: list[bytes] = []
         wake = asyncio.Event()
+        room = asyncio.Event()
+        room.set()
+        cap = r.config.max_stream_items
         # Items arriving together are sent to each worker as one message, flushed on the next loop turn.
         outgoing: dict[int, tuple[WorkerHandle, list]] = {}
-        state = {"pending": 0, "reading": True, "flush_scheduled": False}
+        out: dict[int, WorkerHandle] = {}  # worker requests still answering, by request id
+        # pending: items accepted and not answered (each counted in flight for drain); quota:
+        # those of them counted against the owner's max_in_flight.
+        state = {"pending": 0, "quota": 0, "reading": True, "flush_scheduled": False, "closed": False,
+                 "refused": "", "writing": 0}
         seated: set[asyncio.Task] = set()  # seats' turns still waiting
 
-        def emit(tag: int, data: bytes) -> None:
+        def emit(tag: int, data: bytes, counted: bool = True) -> None:
+            if state["closed"]:
+                return
             state["pending"] -= 1
+            r.leave()
+            if counted:
+                state["quota"] -= 1
+                r.quotas.give_items(owner, 1)
             ready.append(convert.interact_result(tag, data))
             wake.set()
 
@@ -471,9 +631,11 @@ class EnvService(pb_grpc.EnvServiceServicer):
                 tags = [e[0] for e in entries]
                 sids = [e[1][1] for e in entries]
                 done = [False] * len(entries)
+                rid_box = [0]
 
-                def on_item(result, tags=tags, sids=sids, done=done):
+                def on_item(result, tags=tags, sids=sids, done=done, rid_box=rid_box):
                     if isinstance(result, BaseException):
+                        out.pop(rid_box[0], None)
                         for i, finished in enumerate(done):
                             if not finished:
                                 done[i] = True
@@ -485,8 +647,13 @@ class EnvService(pb_grpc.EnvServiceServicer):
                         if rec is not None:
                             r.metrics.observe_step(rec.env_id, seconds)
                         emit(tags[index], data)
+                    if all(done):
+                        out.pop(rid_box[0], None)
 
-                r.pool.stream(w, [e[1] for e in entries], on_item)
+                rid = r.pool.stream(w, [e[1] for e in entries], on_item)
+                if rid and not all(done):
+                    rid_box[0] = rid
+                    out[rid] = w
 
         def seat_answered(turn: asyncio.Task, tag: int, sid: str) -> None:
             seated.discard(turn)
@@ -501,15 +668,23 @@ class EnvService(pb_grpc.EnvServiceServicer):
 
         def accept(it: pb.InteractItem) -> None:
             state["pending"] += 1
+            r.enter()
             kind = it.WhichOneof("request")
             if kind == "step":
-                item = ("step", it.step.session_id, _cap(it.step.action))
+                item = _step_item(it.step)
             elif kind == "reset":
                 item = _reset_item(it.reset)
             else:
                 emit(it.tag, convert.error_result("", "INVALID_ARGUMENT",
-                                                  "item holds neither step nor reset").SerializeToString())
+                                                  "item holds neither step nor reset").SerializeToString(), False)
                 return
+            try:
+                r.quotas.take_items(owner, 1)
+            except QuotaExceeded as e:
+                r.metrics.errors.labels("RESOURCE_EXHAUSTED").inc()
+                emit(it.tag, convert.error_result(item[1], "RESOURCE_EXHAUSTED", str(e)).SerializeToString(), False)
+                return
+            state["quota"] += 1
             if item[1] in r.tables.by_seat:  # answered at the seat's turn, maybe after later items
                 turn = loop.create_task(r.tables.run(item, owner))
                 seated.add(turn)
@@ -522,51 +697,100 @@ class EnvService(pb_grpc.EnvServiceServicer):
                 return
             outgoing.setdefault(rec.worker.slot, (rec.worker, []))[1].append((it.tag, item))
 
+        def too_many(req) -> bool:
+            if len(req.items) <= r.config.max_batch_items:
+                return False
+            state["refused"] = (f"{len(req.items)} items in one InteractRequest; at most "
+                                f"{r.config.max_batch_items} (--max-batch-items)")
+            return True
+
         async def read_requests():
             try:
                 async for req in request_iterator:
+                    if too_many(req):
+                        break
                     for it in req.items:
                         accept(it)
                     if outgoing and not state["flush_scheduled"]:
                         state["flush_scheduled"] = True
                         loop.call_soon(flush)
+                    while state["pending"] + len(ready) + state["writing"] >= cap:
+                        room.clear()
+                        await room.wait()
             finally:
                 state["reading"] = False
                 wake.set()
 
-        r.enter()
+        def finish() -> None:
+            state["closed"] = True
+            for rid, w in list(out.items()):
+                w.cancel([rid])   # its caller is gone: skip what has not run
+            out.clear()
+            r.leave(state["pending"])
+            r.quotas.give_items(owner, state["quota"])
+
         if r.pool.inline and not r.tables.possible:
             # Items step as they are read, so each request's results are written before the next
             # is read: no reader task and no wake-up between reading and writing (~0.03 ms of a
             # one-session step).
             try:
                 async for req in request_iterator:
+                    if too_many(req):
+                        break
                     for it in req.items:
                         accept(it)
                     flush()
                     if ready:
-                        data = convert.frame_repeated(1, ready)
+                        batch = ready[:]
                         ready.clear()
-                        yield data
+                        for data in self._frames(batch):
+                            yield data
             finally:
-                r.leave()
+                finish()
+            if state["refused"]:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, state["refused"])
             return
+        r.streams.add(wake)
         reader = loop.create_task(read_requests())
         try:
             while True:
                 await wake.wait()
                 wake.clear()
                 if ready:
-                    data = convert.frame_repeated(1, ready)
+                    # Taken before the writes: results that finish while they wait join the next.
+                    batch = ready[:]
                     ready.clear()
-                    yield data
-                if not state["reading"] and state["pending"] <= 0 and not ready:
-                    break
+                    state["writing"] = len(batch)
+                    for data in self._frames(batch):
+                        yield data
+                    state["writing"] = 0
+                    room.set()
+                if state["pending"] <= 0 and not ready:
+                    if not state["reading"]:
+                        break
+                    if r.draining:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                            "replica is draining: this stream had nothing in flight; open "
+                                            "sessions elsewhere (their calls answer where they moved)")
         finally:
+            r.streams.discard(wake)
             reader.cancel()
             for turn in list(seated):
                 turn.cancel()
-            r.leave()
+            finish()
+        if state["refused"]:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, state["refused"])
+
+    def _frames(self, ready: list[bytes]):
+        """ready's results as InteractResponses, each under half the message limit."""
+        limit = self.r.config.max_message_bytes // 2
+        start, size = 0, 0
+        for i, data in enumerate(ready):
+            if size and size + len(data) > limit:
+                yield convert.frame_repeated(1, ready[start:i])
+                start, size = i, 0
+            size += len(data)
+        yield convert.frame_repeated(1, ready[start:] if start else ready)
 
     async def Fork(self, request, context):
         r = self.r
@@ -582,9 +806,10 @@ class EnvService(pb_grpc.EnvServiceServicer):
         count = request.count or 1
         if count < 0 or count > r.config.max_open_per_call:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"count must be 1..{r.config.max_open_per_call}")
-        if len(r.sessions) + count > r.config.max_sessions:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"replica is full: {len(r.sessions)} of {r.config.max_sessions} sessions open")
+        try:
+            r.admit(owner, count)
+        except Refused as e:
+            await context.abort(e.code, e.message)
         r.enter()
         try:
             try:
@@ -598,14 +823,13 @@ class EnvService(pb_grpc.EnvServiceServicer):
             plan: dict[int, tuple[WorkerHandle, list[str]]] = {}
             for sid, w in zip(ids, r.pick_workers(count)):
                 plan.setdefault(w.slot, (w, []))[1].append(sid)
-            replies = await asyncio.gather(*[r.pool.call(w, "adopt", (blob, sids)) for w, sids in plan.values()],
-                                           return_exceptions=True)
+            replies = await r.build([(w, sids, "adopt", (blob, sids)) for w, sids in plan.values()])
             failure = None
             for (w, sids), rep in zip(plan.values(), replies):
                 if isinstance(rep, BaseException) or rep[0] != "ok":
                     failure = failure or rep
                 else:
-                    r.add_sessions(sids, rec.env_id, w, owner)
+                    r.add_sessions(sids, rec.env_id, w, owner, rec.readers)
             if failure is not None:
                 await r.close_sessions([sid for sid in ids if sid in r.sessions])
                 if isinstance(failure, BaseException):
@@ -625,18 +849,39 @@ class EnvService(pb_grpc.EnvServiceServicer):
         count = len(request.sessions)
         if count > r.config.max_open_per_call:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"at most {r.config.max_open_per_call} per call")
-        if len(r.sessions) + count > r.config.max_sessions:
-            r.metrics.errors.labels("RESOURCE_EXHAUSTED").inc()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"replica is full: {len(r.sessions)} of {r.config.max_sessions} sessions open")
+        try:
+            r.admit(owner, count)
+        except Refused as e:
+            await context.abort(e.code, e.message)
         out = [pb.RestoredSession() for _ in range(count)]
         plan: dict[int, tuple[WorkerHandle, list[int], list]] = {}
         workers = iter(r.pick_workers(count))
+        readers: dict[int, frozenset] = {}
+
+        def refuse(i: int, code: str, message: str) -> None:
+            out[i].status.CopyFrom(pb.ItemStatus(code=code_number(code), message=message))
+            r.metrics.errors.labels(code).inc()
+
         for i, h in enumerate(request.sessions):
             spec = r.specs.get(h.env_id)
             if spec is None:
-                out[i].status.CopyFrom(pb.ItemStatus(code=code_number("NOT_FOUND"),
-                                                     message=f"env {h.env_id!r} is not served here"))
+                refuse(i, "NOT_FOUND", f"env {h.env_id!r} is not served here")
+                continue
+            # A history longer than an episode can be is refused before it is copied anywhere:
+            # replaying it could only diverge, after the front and a worker paid for its size.
+            most = _most_turns(spec, h)
+            if len(h.turns) > most:
+                refuse(i, "INVALID_ARGUMENT", f"history of {len(h.turns)} turns; an episode of {h.env_id} "
+                                              f"with this config has at most {most}")
+                continue
+            try:
+                readers[i] = r.readers_for(owner, h.state_readers)
+                history = convert.history_from_proto(h)
+            except Refused as e:
+                refuse(i, e.code.name, e.message)
+                continue
+            except ValueError as e:
+                refuse(i, "INVALID_ARGUMENT", str(e))
                 continue
             w = next(workers, None)
             if w is None:
@@ -644,17 +889,17 @@ class EnvService(pb_grpc.EnvServiceServicer):
             sid = r.new_session_id()
             out[i].session_id = sid
             plan.setdefault(w.slot, (w, [], []))[1].append(i)
-            plan[w.slot][2].append((sid, convert.history_from_proto(h)))
+            plan[w.slot][2].append((sid, history))
         r.enter()
         try:
-            replies = await asyncio.gather(*[r.pool.call(w, "restore", items) for w, _, items in plan.values()],
-                                           return_exceptions=True)
+            replies = await r.build([(w, [sid for sid, _ in items], "restore", items)
+                                     for w, _, items in plan.values()])
             for (w, indices, items), reply in zip(plan.values(), replies):
                 for k, (i, (sid, h)) in enumerate(zip(indices, items)):
                     got = ("error", "UNAVAILABLE", f"restore failed: {reply}") \
                         if isinstance(reply, BaseException) else reply[k]
                     if got[0] == "ok":
-                        r.add_sessions([sid], h["env_id"], w, owner)
+                        r.add_sessions([sid], h["env_id"], w, owner, readers.get(i, frozenset()))
                         out[i].anchor = got[1]
                     else:
                         out[i].session_id = ""
@@ -666,6 +911,9 @@ class EnvService(pb_grpc.EnvServiceServicer):
 
     async def Close(self, request, context):
         owner = await caller(context, self.r.auth.env_owner)
+        if len(request.session_ids) > self.r.config.max_batch_items:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(request.session_ids)} sessions in one "
+                                f"Close; at most {self.r.config.max_batch_items} (--max-batch-items)")
         return pb.CloseResponse(statuses=await self.r.close_sessions(list(request.session_ids), owner))
 
 
@@ -674,19 +922,34 @@ def _cap(action: str) -> str:
     return action if len(action) <= 1_048_576 else action[:1_048_577]
 
 
+def _step_item(it: pb.StepItem) -> tuple:
+    return ("step", it.session_id, _cap(it.action))
+
+
+def _most_turns(spec, h: pb.SessionHistory) -> int:
+    """The most turns an episode of this history's session can have: its config's max_turns where
+    it sets a number, else the highest the replica allows (the schema's maximum), else the env's."""
+    if h.HasField("config") and "max_turns" in h.config.fields:
+        value = h.config.fields["max_turns"]
+        if value.WhichOneof("kind") == "number_value" and value.number_value == value.number_value:
+            return int(min(value.number_value, 2 ** 31))
+    bound = full_spec(spec).config_schema().get("properties", {}).get("max_turns", {}).get("maximum")
+    return int(bound) if bound is not None else spec.max_turns
+
+
 class StateService(pb_grpc.StateServiceServicer):
     def __init__(self, replica: Replica):
         self.r = replica
 
     async def GetState(self, request, context):
-        owner = await caller(context, self.r.auth.state_owner)
+        reader = await caller(context, self.r.auth.reader)
         sid = request.session_id
         if sid in self.r.tables.by_seat:  # a seat reads its table's game
-            table, _, code, message = self.r.tables.find(sid, owner)
+            table, _, code, message = self.r.tables.find(sid, reader.owner)
             if table is None:
                 await context.abort(getattr(grpc.StatusCode, code), message)
             sid = table.host
-        rec, code, message = self.r.lookup(sid, owner)
+        rec, code, message = self.r.lookup(sid, reader=reader)
         if rec is None:
             await context.abort(getattr(grpc.StatusCode, code), message)
         episode = request.episode if request.HasField("episode") else None

@@ -6,6 +6,14 @@ finish, so Interact can forward each result without waiting for the rest.
 A failure of one item is that item's result, never the worker's. A wait_s above 0 says the
 request is a lone caller's step: the worker then polls for that caller's next request for up
 to wait_s after replying (NextRequestWait) rather than sleeping in its pipe's read.
+
+Time limits and cancels (WorkGuard): the worker and its front share a small array of integers
+(what the worker is running and since when; which requests the front cancelled). An item (a
+step, reset, fork copy or replay) that runs past the time limit is interrupted by SIGALRM, and
+one whose call was cancelled by SIGUSR1 from the front; either answers alone and leaves its
+session needing a reset. Items of a cancelled request that have not started are skipped. An
+env that cannot be interrupted safely (spec.interruptible False) runs on, and the front kills a
+worker that stays busy past the limit and its grace (pool.WorkerPool.kill_stuck).
 """
 from __future__ import annotations
 
@@ -16,8 +24,16 @@ import signal
 import time
 import traceback
 
+from envserve.core.registry import get_env_class
 from envserve.core.session import Session, SessionError
 from envserve.server import convert
+
+# The array a worker shares with its front, one int64 a slot: when the running unit of work began
+# (time.monotonic_ns, 0 when idle), its request and item index, and a ring of cancelled request ids
+# with the count of cancels written so far.
+BUSY_SINCE, CURRENT_REQUEST, CURRENT_INDEX, CANCEL_SEQ = 0, 1, 2, 3
+CANCEL_RING = 64
+SHARED_SLOTS = 4 + CANCEL_RING
 
 STREAM_COALESCE_SECONDS = 0.0005
 # After a wait for the next request outlasts its window, this many hinted requests are answered
@@ -43,20 +59,102 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+class ItemInterrupted(BaseException):
+    """Raised in an item's code by the worker's signal handlers. A BaseException, so that an
+    env's own `except Exception` cannot swallow it."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class WorkGuard:
+    """What the worker runs, told to the front through the shared array, and the signals that
+    interrupt it: SIGALRM at the time limit, SIGUSR1 when the front cancelled its request. Only
+    an item's own code is interrupted (between begin and end, where `armed`); a signal anywhere
+    else (the worker's loop, a reply being written) is ignored, and a cancel is then seen by the
+    next item's check."""
+
+    def __init__(self, shared=None, time_limit_s: float = 0.0):
+        self.shared = shared
+        self.time_limit_s = time_limit_s if shared is not None else 0.0
+        self.armed = False
+        self.request = 0
+        self._timed = False
+        self._seq = 0
+        self._cancelled: frozenset[int] = frozenset()
+
+    def install(self) -> None:
+        signal.signal(signal.SIGALRM, self._on_alarm)
+        signal.signal(signal.SIGUSR1, self._on_cancel)
+
+    def cancelled(self, request_id: int) -> bool:
+        shared = self.shared
+        if shared is None:
+            return False
+        seq = shared[CANCEL_SEQ]
+        if seq != self._seq:
+            self._seq = seq
+            self._cancelled = frozenset(shared[4:SHARED_SLOTS])
+        return request_id in self._cancelled
+
+    def begin(self, index: int, interruptible: bool) -> None:
+        shared = self.shared
+        if shared is None:
+            return
+        shared[CURRENT_REQUEST] = self.request
+        shared[CURRENT_INDEX] = index
+        shared[BUSY_SINCE] = time.monotonic_ns()
+        if interruptible:
+            if self.time_limit_s > 0:
+                signal.setitimer(signal.ITIMER_REAL, self.time_limit_s)
+                self._timed = True
+            self.armed = True
+
+    def end(self) -> None:
+        if self.shared is None:
+            return
+        self.armed = False
+        if self._timed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            self._timed = False
+        self.shared[BUSY_SINCE] = 0
+
+    def _on_alarm(self, signum, frame) -> None:
+        if self.armed:
+            self.armed = False
+            raise ItemInterrupted("DEADLINE_EXCEEDED", f"it ran past the replica's time limit of "
+                                                       f"{self.time_limit_s:g} s per item")
+
+    def _on_cancel(self, signum, frame) -> None:
+        if self.armed and self.cancelled(self.request):
+            self.armed = False
+            raise ItemInterrupted("CANCELLED", "its call was cancelled (the caller's deadline passed, "
+                                               "it cancelled, or its stream closed)")
+
+
 class Worker:
-    def __init__(self) -> None:
+    def __init__(self, guard: WorkGuard | None = None) -> None:
         self.sessions: dict[str, Session] = {}
         # Each session's latest image as a serialized PNG Image, for MonitorService: kept encoded
         # (a 128 px grid PNG is about 0.7 KB against 49 KB raw).
         self.images: dict[str, bytes] = {}
+        self.guard = guard or WorkGuard()
 
     # Each op returns what the front receives; per-item ops return serialized StepResults.
     def op_open(self, payload):
         env_id, config, action_format, ids = payload
         made = {}
+        guard = self.guard
         try:
-            for sid in ids:
-                made[sid] = Session(env_id, config, action_format)
+            for i, sid in enumerate(ids):
+                if guard.cancelled(guard.request):
+                    raise SessionError("CANCELLED", "the open was cancelled while its sessions were built")
+                guard.begin(i, False)  # a constructor is not interrupted: it may be starting processes
+                try:
+                    made[sid] = Session(env_id, config, action_format)
+                finally:
+                    guard.end()
         except SessionError as e:
             for s in made.values():
                 s.close()
@@ -64,21 +162,33 @@ class Worker:
         self.sessions.update(made)
         return ("ok", next(iter(made.values())).system_prompt() if made else "")
 
-    def run_item(self, item) -> bytes:
+    def run_item(self, item, index: int = 0) -> bytes:
         """("step", sid, action) or ("reset", sid, seed, task_id, split, same_task) -> a serialized StepResult."""
         sid = item[1]
         session = self.sessions.get(sid)
         if session is None:
             return convert.error_result(sid, "NOT_FOUND", f"unknown session {sid}").SerializeToString()
+        guard = self.guard
+        if guard.cancelled(guard.request):
+            return convert.error_result(sid, "CANCELLED", "not run: its call was cancelled").SerializeToString()
+        guard.begin(index, session.spec.interruptible)
         try:
             result = session.step(item[2]) if item[0] == "step" else session.reset(*item[2:])
+            guard.end()
             image = convert.image_of(result)
             if image is not None:
                 self.images[sid] = image
             return convert.encode_turn(sid, result, image)
+        except ItemInterrupted as e:
+            guard.end()
+            session.interrupted(f"its last {item[0]} was stopped: {e.message}")
+            return convert.error_result(sid, e.code, f"{item[0]} stopped: {e.message}; the session must be "
+                                                     "reset before its next step").SerializeToString()
         except SessionError as e:
+            guard.end()
             return convert.error_result(sid, e.code, e.message).SerializeToString()
         except Exception as e:  # an env bug fails its item, not the batch
+            guard.end()
             traceback.print_exc()
             return convert.error_result(sid, "INTERNAL", f"{type(e).__name__}: {e}").SerializeToString()
 
@@ -88,7 +198,7 @@ class Worker:
         out = []
         for index, item in enumerate(items):
             t0 = time.perf_counter()
-            data = self.run_item(item)
+            data = self.run_item(item, index)
             out.append((index, data, time.perf_counter() - t0))
         return out
 
@@ -117,36 +227,67 @@ class Worker:
         s = self.sessions.get(sid)
         if s is None:
             return ("error", "NOT_FOUND", f"unknown session {sid}")
-        blob = s.to_blob()
+        if s.broken:
+            return ("error", "FAILED_PRECONDITION", f"session {sid} cannot be forked: {s.broken}; reset it first")
+        try:
+            blob = s.to_blob()
+        except SessionError as e:
+            return ("error", e.code, e.message)
         blob["monitor_image"] = self.images.get(sid)  # a fork shows its image before its first step
         return ("ok", blob)
 
     def op_adopt(self, payload):
         blob, ids = payload
+        guard = self.guard
+        made = []
         try:
-            for sid in ids:
-                self.sessions[sid] = Session.from_blob(blob)
+            for i, sid in enumerate(ids):
+                if guard.cancelled(guard.request):
+                    raise SessionError("CANCELLED", "the fork was cancelled while its copies were made")
+                guard.begin(i, get_env_class(blob["env_id"]).spec.interruptible)
+                try:
+                    self.sessions[sid] = Session.from_blob(blob)
+                finally:
+                    guard.end()
+                made.append(sid)
                 if blob.get("monitor_image") is not None:
                     self.images[sid] = blob["monitor_image"]
+        except ItemInterrupted as e:
+            self.op_close(made)
+            return ("error", e.code, f"fork stopped: {e.message}")
         except SessionError as e:
+            self.op_close(made)
             return ("error", e.code, e.message)
         except Exception as e:
+            self.op_close(made)
             traceback.print_exc()
             return ("error", "INTERNAL", f"fork failed: {type(e).__name__}: {e}")
         return ("ok",)
 
     def op_histories(self, sids):
         """[(sid, Session.replay_record() or None when the session is not here)]."""
-        return [(sid, s.replay_record() if (s := self.sessions.get(sid)) is not None else None) for sid in sids]
+        return [(sid, s.replay_record() if (s := self.sessions.get(sid)) is not None and not s.broken else None)
+                for sid in sids]
 
     def op_restore(self, items):
         """[(sid, history)] -> [("ok", anchor) or ("error", code, message)], one per item: each
         session rebuilt by replaying its history (Session.restore); one failing fails alone."""
         out = []
-        for sid, h in items:
+        guard = self.guard
+        for i, (sid, h) in enumerate(items):
+            if guard.cancelled(guard.request):
+                out.append(("error", "CANCELLED", "not rebuilt: the restore was cancelled"))
+                continue
             try:
-                s = Session.restore(h["env_id"], h["config"], h["action_format"], h["seed"], h["trial"],
-                                    h["episode"], h["actions"], h["anchors"], h["reset_anchor"])
+                guard.begin(i, get_env_class(h["env_id"]).spec.interruptible)
+                try:
+                    s = Session.restore(h["env_id"], h["config"], h["action_format"], h["seed"], h["trial"],
+                                        h["episode"], h["actions"], h["anchors"], h["reset_anchor"])
+                finally:
+                    guard.end()
+            except ItemInterrupted as e:
+                out.append(("error", e.code, f"restore stopped: {e.message}"))
+                continue
             except SessionError as e:
                 out.append(("error", e.code, e.message))
                 continue
@@ -180,6 +321,10 @@ class Worker:
     def op_ping(self, payload):
         return os.getpid()
 
+    def op_held(self, payload):
+        """The ids of every session held here (the front closes those it does not know)."""
+        return list(self.sessions)
+
 
 class NextRequestWait:
     """A worker that has just answered a lone caller's step polls its request pipe for that
@@ -211,14 +356,19 @@ class NextRequestWait:
         return "ready"
 
 
-def worker_main(requests, replies, preload: list[str]) -> None:
+def worker_main(requests, replies, preload: list[str], shared=None, time_limit_s: float = 0.0,
+                limits=None) -> None:
     # The front handles signals; a worker only dies with it or when killed.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    from envserve.core.registry import get_env_class
+    if limits is not None:
+        from envserve.core import limits as config_limits
+        config_limits.install(limits)
     for env_id in preload:
         get_env_class(env_id)  # import heavy packages before the first session
-    worker = Worker()
+    guard = WorkGuard(shared, time_limit_s)
+    guard.install()
+    worker = Worker(guard)
     ops = {name[3:]: getattr(worker, name) for name in dir(worker) if name.startswith("op_")}
     freeze_startup_objects()
     next_request = NextRequestWait()
@@ -229,13 +379,14 @@ def worker_main(requests, replies, preload: list[str]) -> None:
             request_id, op, payload, wait_s = requests.recv()
         except (EOFError, OSError):
             return  # the front is gone
+        guard.request = request_id
         if op == "stream":
             # Results go back as they finish; those finished within STREAM_COALESCE_SECONDS of
             # the last send share one message (a pipe message costs about as much as a step).
             ready, last_send = [], time.perf_counter()
             for index, item in enumerate(payload):
                 t0 = time.perf_counter()
-                data = worker.run_item(item)
+                data = worker.run_item(item, index)
                 now = time.perf_counter()
                 ready.append((index, data, now - t0))
                 if now - last_send >= STREAM_COALESCE_SECONDS:

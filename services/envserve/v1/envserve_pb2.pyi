@@ -80,16 +80,18 @@ class GetSpecRequest(_message.Message):
     def __init__(self, env_id: _Optional[str] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("env_id", "count", "config", "action_format")
+    __slots__ = ("env_id", "count", "config", "action_format", "state_readers")
     ENV_ID_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     ACTION_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    STATE_READERS_FIELD_NUMBER: _ClassVar[int]
     env_id: str
     count: int
     config: _struct_pb2.Struct
     action_format: str
-    def __init__(self, env_id: _Optional[str] = ..., count: _Optional[int] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., action_format: _Optional[str] = ...) -> None: ...
+    state_readers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, env_id: _Optional[str] = ..., count: _Optional[int] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., action_format: _Optional[str] = ..., state_readers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
     __slots__ = ("session_ids", "lease_seconds", "system_prompt", "live_sessions", "counted_unix")
@@ -280,7 +282,7 @@ class ReplayTurn(_message.Message):
     def __init__(self, action: _Optional[str] = ..., anchor: _Optional[str] = ...) -> None: ...
 
 class SessionHistory(_message.Message):
-    __slots__ = ("env_id", "config", "action_format", "seed", "trial", "episode", "reset_anchor", "turns")
+    __slots__ = ("env_id", "config", "action_format", "seed", "trial", "episode", "reset_anchor", "turns", "state_readers")
     ENV_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     ACTION_FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +291,7 @@ class SessionHistory(_message.Message):
     EPISODE_FIELD_NUMBER: _ClassVar[int]
     RESET_ANCHOR_FIELD_NUMBER: _ClassVar[int]
     TURNS_FIELD_NUMBER: _ClassVar[int]
+    STATE_READERS_FIELD_NUMBER: _ClassVar[int]
     env_id: str
     config: _struct_pb2.Struct
     action_format: str
@@ -297,7 +300,8 @@ class SessionHistory(_message.Message):
     episode: int
     reset_anchor: str
     turns: _containers.RepeatedCompositeFieldContainer[ReplayTurn]
-    def __init__(self, env_id: _Optional[str] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., action_format: _Optional[str] = ..., seed: _Optional[int] = ..., trial: _Optional[int] = ..., episode: _Optional[int] = ..., reset_anchor: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[ReplayTurn, _Mapping]]] = ...) -> None: ...
+    state_readers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, env_id: _Optional[str] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., action_format: _Optional[str] = ..., seed: _Optional[int] = ..., trial: _Optional[int] = ..., episode: _Optional[int] = ..., reset_anchor: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[ReplayTurn, _Mapping]]] = ..., state_readers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
     __slots__ = ("sessions",)
