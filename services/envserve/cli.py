@@ -9,9 +9,70 @@ import re
 import sys
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (what was wrong, and where the help is), not the whole usage."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+
+
+def _port(text: str) -> int:
+    """A TCP port to listen on: 0..65535, 0 for any free one."""
+    return _port_in(text, 0, "0..65535 (0: any free port)")
+
+
+def _port_or_off(text: str) -> int:
+    """A TCP port, or -1 for off."""
+    return _port_in(text, -1, "0..65535 (0: any free port), or -1 for off")
+
+
+def _port_in(text: str, low: int, allowed: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}; a port is {allowed}") from None
+    if not low <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is {allowed}, got {n}")
+    return n
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def _seconds(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= x < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return x
+
+
+def _http_args(p: argparse.ArgumentParser) -> None:
+    """What an HTTP front accepts (envserve web, and a replica's --openenv-port and up's --http-port)."""
+    from envserve.common.http import MAX_BODY_BYTES, OPENENV_MAX_HTTP_SESSIONS
+    p.add_argument("--max-body-bytes", type=_positive, default=MAX_BODY_BYTES,
+                   help="HTTP fronts: refuse request bodies and WebSocket messages larger than this (413), while "
+                        "they are read (default: %(default)s)")
+    p.add_argument("--openenv-max-http-sessions", type=_positive, default=OPENENV_MAX_HTTP_SESSIONS,
+                   help="OpenEnv endpoint: sessions opened over plain HTTP (POST /reset) held at once; more answer "
+                        "RESOURCE_EXHAUSTED (default: %(default)s)")
+    p.add_argument("--allow-plain-http-tokens", action="store_true",
+                   help="HTTP fronts: accept bearer tokens over plain HTTP from other machines (TLS ended by a "
+                        "proxy in front); by default only over TLS or from this machine")
+
+
 def _server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
-    p.add_argument("--port", type=int, default=default_port, help="gRPC port (0: any free port)")
+    p.add_argument("--port", type=_port, default=default_port, help="gRPC port (0: any free port)")
     p.add_argument("--workers", type=int, default=0, help="worker processes (0: one per CPU)")
     p.add_argument("--inline", action="store_true",
                    default=os.environ.get("ENVSERVE_INLINE", "").lower() in ("1", "true", "yes"),
@@ -24,21 +85,40 @@ def _server_args(p: argparse.ArgumentParser, default_port: int) -> None:
                    default=float(os.environ.get("ENVSERVE_LONE_REQUEST_WAIT_US", "1000")),
                    help="while one caller steps alone, a worker that answered its step polls for the next one "
                         "this many microseconds before it sleeps (0: never) [$ENVSERVE_LONE_REQUEST_WAIT_US]")
-    p.add_argument("--max-sessions", type=int, default=10_000)
-    p.add_argument("--lease-seconds", type=float, default=300.0)
-    p.add_argument("--metrics-port", type=int, default=-1, help="Prometheus port (-1: off, 0: any free port)")
-    p.add_argument("--drain-timeout", type=float, default=60.0)
+    p.add_argument("--max-sessions", type=_positive, default=10_000)
+    p.add_argument("--max-open-per-call", type=_positive, default=4096,
+                   help="sessions one Open, Fork or Restore makes at most (default: %(default)s)")
+    p.add_argument("--max-message-bytes", type=_positive, default=64 * 1024 * 1024,
+                   help="largest gRPC message received or sent (default: %(default)s)")
+    p.add_argument("--max-batch-items", type=_positive, default=4096,
+                   help="items of one Step, Reset, Close or Interact request at most (default: %(default)s)")
+    p.add_argument("--max-stream-items", type=_positive, default=4096,
+                   help="items of one Interact stream in flight or unread by its client; past it the stream's "
+                        "requests wait (default: %(default)s)")
+    p.add_argument("--item-time-limit", type=_seconds, default=60.0,
+                   help="seconds one step, reset, fork copy or replay may run before it is stopped with "
+                        "DEADLINE_EXCEEDED (0: no limit; not enforced with --inline) (default: %(default)s)")
+    p.add_argument("--stuck-grace", type=_seconds, default=30.0,
+                   help="seconds past --item-time-limit after which a worker still running the item is "
+                        "replaced (its sessions lost, as after a crash) (default: %(default)s)")
+    p.add_argument("--orphan-sweep-seconds", type=_seconds, default=30.0,
+                   help="how often workers are asked which sessions they hold, to close any the front does "
+                        "not know (default: %(default)s)")
+    p.add_argument("--lease-seconds", type=_seconds, default=300.0)
+    p.add_argument("--metrics-port", type=_port_or_off, default=-1, help="Prometheus port (-1: off, 0: any free port)")
+    p.add_argument("--drain-timeout", type=_seconds, default=60.0)
     p.add_argument("--no-migrate-on-drain", dest="migrate_on_drain", action="store_false",
                    help="on SIGTERM, leave live sessions to end with this replica instead of moving them")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
     p.add_argument("--replica-id", default=os.environ.get("ENVSERVE_REPLICA_ID", ""))
-    p.add_argument("--openenv-port", type=int, default=-1,
-                   help="also serve OpenEnv's protocol at http://HOST:PORT/openenv/<env_id>/ (WebSocket /ws, "
-                        "/reset /step /state ...) from this process, no facade hop; plain HTTP even with --tls-cert, "
+    p.add_argument("--openenv-port", type=_port_or_off, default=-1,
+                   help="also serve OpenEnv's protocol at http(s)://HOST:PORT/openenv/<env_id>/ (WebSocket /ws, "
+                        "/reset /step /state ...) from this process, no facade hop; HTTPS with --tls-cert, "
                         "tokens checked as on gRPC (-1: off, 0: any free port)")
     p.add_argument("--openenv-host", default="", help="address of the OpenEnv endpoint (default: --host)")
     p.add_argument("--openenv-idle-seconds", type=float, default=300.0,
                    help="close OpenEnv sessions opened over plain HTTP after this many seconds without a call")
+    _http_args(p)
     # Containers and pods set these through the environment.
     env = os.environ.get
     p.add_argument("--directory", default=env("ENVSERVE_DIRECTORY", "memory://"),
@@ -51,18 +131,32 @@ def _server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--heartbeat-on-change-seconds", type=float, default=0.25,
                    help="also heartbeat this soon after the live-session count changed (0: off)")
     p.add_argument("--token-file", default=env("ENVSERVE_TOKEN_FILE", ""),
-                   help="bearer tokens, one per line (also $ENVSERVE_TOKENS, comma separated)")
+                   help="bearer tokens, one per line, each optionally followed by name=, grants=, max_sessions=, "
+                        "max_in_flight=, opens_per_second=; a line '* key=value...' sets every token's default "
+                        "quotas (also $ENVSERVE_TOKENS, comma separated; see docs/security.md)")
     p.add_argument("--state-token-file", default=env("ENVSERVE_STATE_TOKEN_FILE", ""),
-                   help="tokens for the ground-truth services (also $ENVSERVE_STATE_TOKENS)")
+                   help="tokens for the ground-truth services, each optionally followed by name= and reads=* "
+                        "(also $ENVSERVE_STATE_TOKENS)")
     p.add_argument("--tls-cert", default=env("ENVSERVE_TLS_CERT", ""))
     p.add_argument("--tls-key", default=env("ENVSERVE_TLS_KEY", ""))
     p.add_argument("--tls-client-ca", default=env("ENVSERVE_TLS_CLIENT_CA", ""),
                    help="require client certificates signed by this CA (mutual TLS)")
+    p.add_argument("--config-limits", default=env("ENVSERVE_CONFIG_LIMITS", ""), metavar="FILE",
+                   help="JSON or YAML mapping env ids (or '*' for the session keys every env has) to config keys "
+                        "and the JSON Schema keywords that replace their built-in bounds, e.g. "
+                        "'{\"sokoban\": {\"dim_room\": {\"maximum\": 12}}}' (see docs/server.md) "
+                        "[$ENVSERVE_CONFIG_LIMITS]")
 
 
 def _config(args, env_ids):
-    from envserve.rpc.auth import read_tokens
+    from envserve.rpc.auth import Authenticator, TokenFileError, read_token_entries
     from envserve.server.config import ServerConfig
+    tokens = read_token_entries(args.token_file, os.environ.get("ENVSERVE_TOKENS", ""))
+    state_tokens = read_token_entries(args.state_token_file, os.environ.get("ENVSERVE_STATE_TOKENS", ""))
+    try:
+        Authenticator(tokens, state_tokens)
+    except TokenFileError as e:
+        raise SystemExit(f"envserve: {e}") from None
     return ServerConfig(env_ids=list(env_ids), host=args.host, port=args.port, workers=args.workers,
                         inline=args.inline, lone_reply_wait_seconds=args.lone_reply_wait_us / 1e6,
                         lone_request_wait_seconds=args.lone_request_wait_us / 1e6,
@@ -74,10 +168,28 @@ def _config(args, env_ids):
                         directory_url=args.directory, advertise_address=args.advertise,
                         external_address=args.external_address, heartbeat_seconds=args.heartbeat_seconds,
                         heartbeat_on_change_seconds=args.heartbeat_on_change_seconds,
-                        tokens=read_tokens(args.token_file, os.environ.get("ENVSERVE_TOKENS", "")),
-                        state_tokens=read_tokens(args.state_token_file, os.environ.get("ENVSERVE_STATE_TOKENS", "")),
+                        max_open_per_call=args.max_open_per_call, max_message_bytes=args.max_message_bytes,
+                        max_batch_items=args.max_batch_items, max_stream_items=args.max_stream_items,
+                        item_time_limit_seconds=args.item_time_limit, stuck_grace_seconds=args.stuck_grace,
+                        orphan_sweep_seconds=args.orphan_sweep_seconds,
+                        tokens=tokens, state_tokens=state_tokens,
                         tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
-                        tls_client_ca_file=args.tls_client_ca)
+                        tls_client_ca_file=args.tls_client_ca,
+                        max_body_bytes=args.max_body_bytes, openenv_max_http_sessions=args.openenv_max_http_sessions,
+                        allow_plain_http_tokens=args.allow_plain_http_tokens,
+                        config_limits=_config_limits(args.config_limits, env_ids))
+
+
+def _config_limits(path: str, env_ids) -> dict:
+    """The --config-limits file, checked against the served envs; a bad one ends the command with
+    its one-line reason."""
+    if not path:
+        return {}
+    from envserve.core.limits import LimitsError, load
+    try:
+        return load(path, env_ids)
+    except LimitsError as e:
+        raise SystemExit(f"envserve: {e}") from None
 
 
 def cmd_health(args) -> int:
@@ -148,19 +260,40 @@ def cmd_up(args) -> int:
 
 def _web_beside_replica(args) -> None:
     """The HTTP facade in this process; it finds the replica through the same directory
-    (memory:// by default, where the replica registers itself)."""
+    (memory:// by default, where the replica registers itself). With the replica's TLS files it
+    serves HTTPS, and reaches the replica trusting --tls-ca (default: the replica's certificate,
+    which is enough for a self-signed one)."""
     from envserve.web import create_app, start_in_thread
-    from envserve.web.server import display
-    _, port = start_in_thread(create_app(directory_url=args.directory or "memory://"), args.http_host, args.http_port)
-    print(f"envserve web on {display(args.http_host, port)}", flush=True)
+    from envserve.web.server import TlsFiles, display
+    tls = TlsFiles.of(args.tls_cert, args.tls_key, args.tls_client_ca)
+    root = None
+    if tls is not None:
+        with open(args.tls_ca or args.tls_cert, "rb") as f:
+            root = f.read()
+    app = create_app(directory_url=args.directory or "memory://", root_certificates=root,
+                     openenv_idle_seconds=args.openenv_idle_seconds, limits=_http_limits(args))
+    _, port = start_in_thread(app, args.http_host, args.http_port, tls)
+    print(f"envserve web on {display(args.http_host, port, tls is not None)}", flush=True)
+
+
+def _http_limits(args):
+    from envserve.web.limits import HttpLimits
+    return HttpLimits(max_body_bytes=args.max_body_bytes, openenv_max_http_sessions=args.openenv_max_http_sessions,
+                      allow_plain_http_tokens=args.allow_plain_http_tokens)
 
 
 def cmd_web(args) -> int:
     """The HTTP/JSON facade and the live sessions page, over the replicas of a directory and/or
     fixed addresses."""
     from envserve.web import create_app, serve
+    from envserve.web.server import TlsFiles
     if not args.directory and not args.replica:
         print("envserve web: give --directory URL and/or --replica HOST:PORT", file=sys.stderr)
+        return 2
+    try:
+        tls = TlsFiles.of(args.tls_cert, args.tls_key, args.tls_client_ca)
+    except ValueError as e:
+        print(f"envserve web: {e}", file=sys.stderr)
         return 2
     root = None
     if args.tls_ca:
@@ -172,9 +305,13 @@ def cmd_web(args) -> int:
         token = (read_tokens(args.monitor_token_file) or ("",))[0]
     app = create_app(directory_url=args.directory, replicas=args.replica, root_certificates=root,
                      use_external=args.external, monitor_token=token or None, timeout=args.timeout,
-                     openenv_idle_seconds=args.openenv_idle_seconds)
+                     openenv_idle_seconds=args.openenv_idle_seconds, limits=_http_limits(args))
     sources = ([f"directory {args.directory}"] if args.directory else []) + list(args.replica)
-    serve(app, args.host, args.port, announce=f" over {', '.join(sources)}")
+    try:
+        serve(app, args.host, args.port, announce=f" over {', '.join(sources)}", tls=tls)
+    except ValueError as e:  # TLS files it cannot use
+        print(f"envserve web: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -644,7 +781,7 @@ def cmd_demo(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="envserve", description=__doc__)
+    parser = _Parser(prog="envserve", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("serve", help="serve environments on one replica")
     p.add_argument("envs", nargs="+")
@@ -653,8 +790,11 @@ def main(argv=None) -> int:
     p = sub.add_parser("up", help="a local stack of all registered environments")
     p.add_argument("envs", nargs="*", help="default: all registered")
     _server_args(p, 50051)
-    p.add_argument("--http-port", type=int, default=-1, help="also serve the HTTP facade and live page (-1: off)")
+    p.add_argument("--http-port", type=_port_or_off, default=-1,
+                   help="also serve the HTTP facade and live page (-1: off); HTTPS with --tls-cert")
     p.add_argument("--http-host", default="127.0.0.1")
+    p.add_argument("--tls-ca", default="", help="with --http-port and --tls-cert: the CA the facade trusts the "
+                                                "replica's certificate by (default: that certificate itself)")
     p.add_argument("--containers", action="store_true",
                    help="run each environment in its family's image (docker or podman) with Redis")
     p.add_argument("--image-tag", default="latest", help="with --containers: the images' tag")
@@ -666,20 +806,29 @@ def main(argv=None) -> int:
                    help="redis://host:6379/0 (or memory://) [$ENVSERVE_DIRECTORY]")
     p.add_argument("--replica", action="append", default=[], metavar="HOST:PORT", help="a fixed replica (repeatable)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080, help="HTTP port (0: any free port)")
+    p.add_argument("--port", type=_port, default=8080, help="HTTP port (0: any free port)")
     p.add_argument("--tls-ca", default="", help="CA certificate of replicas that serve TLS")
     p.add_argument("--external", action="store_true", help="reach replicas at their external addresses")
     p.add_argument("--monitor-token-file", default="",
-                   help="token the page watches sessions with when a request brings none [$ENVSERVE_MONITOR_TOKEN]")
+                   help="the token that shows every session on the live page (a state token of the replicas): "
+                        "/v1/live then needs a bearer token, and another token sees what the replicas show it "
+                        "[$ENVSERVE_MONITOR_TOKEN]")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per gRPC call")
     p.add_argument("--openenv-idle-seconds", type=float, default=300.0,
                    help="OpenEnv endpoint (/openenv/<env>/): close sessions opened over plain HTTP after this "
                         "many seconds without a call (WebSocket sessions close with their socket)")
+    p.add_argument("--tls-cert", default=os.environ.get("ENVSERVE_WEB_TLS_CERT", ""),
+                   help="serve HTTPS with this certificate (PEM) [$ENVSERVE_WEB_TLS_CERT]")
+    p.add_argument("--tls-key", default=os.environ.get("ENVSERVE_WEB_TLS_KEY", ""),
+                   help="the certificate's key (PEM) [$ENVSERVE_WEB_TLS_KEY]")
+    p.add_argument("--tls-client-ca", default=os.environ.get("ENVSERVE_WEB_TLS_CLIENT_CA", ""),
+                   help="require client certificates signed by this CA (mutual TLS) [$ENVSERVE_WEB_TLS_CLIENT_CA]")
+    _http_args(p)
     p.set_defaults(fn=cmd_web)
     p = sub.add_parser("judge", help="score agents' grounding and world modelling against ground truth")
     env = os.environ.get
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
-    p.add_argument("--port", type=int, default=50070, help="gRPC port (0: any free port)")
+    p.add_argument("--port", type=_port, default=50070, help="gRPC port (0: any free port)")
     p.add_argument("--env-address", default=env("ENVSERVE_ENV_ADDRESS", ""),
                    help="one replica to read ground truth from [$ENVSERVE_ENV_ADDRESS]")
     p.add_argument("--directory", default=env("ENVSERVE_DIRECTORY", ""),
@@ -697,7 +846,7 @@ def main(argv=None) -> int:
     p.add_argument("--llm-model", default=env("ENVSERVE_JUDGE_LLM_MODEL", ""))
     p.add_argument("--llm-mode", default="", help="yesno (VAGEN's YES/NO) or structured (relations scored by F1)")
     p.add_argument("--max-concurrent-items", type=int, default=64)
-    p.add_argument("--metrics-port", type=int, default=-1, help="Prometheus port (-1: off, 0: any free port)")
+    p.add_argument("--metrics-port", type=_port_or_off, default=-1, help="Prometheus port (-1: off, 0: any free port)")
     p.add_argument("--metrics-host", default="127.0.0.1")
     p.add_argument("--token-file", default=env("ENVSERVE_JUDGE_TOKEN_FILE", ""),
                    help="bearer tokens callers must send (also $ENVSERVE_JUDGE_TOKENS)")
@@ -768,10 +917,15 @@ def main(argv=None) -> int:
     p.set_defaults(fn=cmd_health)
     p = sub.add_parser("demo", help="start `up` and play each grid env with a scripted agent")
     p.add_argument("--address", default="", help="a running server; default: start `envserve up`")
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--port", type=_port, default=50051)
     p.set_defaults(fn=cmd_demo)
     args = parser.parse_args(argv)
-    return args.fn(args)
+    from envserve.rpc.serving import ListenError
+    try:
+        return args.fn(args)
+    except ListenError as e:  # a port taken or refused: one line, not a traceback
+        print(f"envserve: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
