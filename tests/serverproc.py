@@ -97,6 +97,16 @@ def start_cli(args, line_pattern: re.Pattern, env_vars=None, what="server"):
     raise RuntimeError(f"{what} did not start:\n" + "".join(output))
 
 
+def wait_until(condition, what: str, limit: float = 120.0):
+    """Polls until condition() holds; the limit only stops a broken run from hanging (it is no
+    measure of speed)."""
+    deadline = time.monotonic() + limit
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never happened: {what}")
+        time.sleep(0.05)
+
+
 def serve_refusal(env_id: str, env_vars=None) -> subprocess.CompletedProcess:
     """`envserve serve ENV_ID` where it cannot start: its exit status and the line telling why."""
     return subprocess.run([sys.executable, "-m", "envserve.cli", "serve", env_id, "--port", "0"], capture_output=True,
@@ -145,6 +155,14 @@ class ServerProcess:
         import urllib.request
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
             return r.read().decode()
+
+    def metric(self, name: str) -> float:
+        """The sum of a metric's samples (every label) in the replica's Prometheus text."""
+        total = 0.0
+        for line in self.metrics_text().splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
 
     def terminate(self, timeout=30.0) -> int:
         if self.proc.poll() is None:

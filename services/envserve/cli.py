@@ -16,44 +16,33 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
 
 
+def _number(text: str, cast, low, high, what: str, allowed: str):
+    """text as cast(text) within [low, high] (NaN refused), or an argparse error naming `allowed`."""
+    try:
+        n = cast(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not {what}: {text!r}; {allowed}") from None
+    if not low <= n <= high:
+        raise argparse.ArgumentTypeError(f"{allowed}, got {text}")
+    return n
+
+
 def _port(text: str) -> int:
     """A TCP port to listen on: 0..65535, 0 for any free one."""
-    return _port_in(text, 0, "0..65535 (0: any free port)")
+    return _number(text, int, 0, 65535, "a port number", "a port is 0..65535 (0: any free port)")
 
 
 def _port_or_off(text: str) -> int:
     """A TCP port, or -1 for off."""
-    return _port_in(text, -1, "0..65535 (0: any free port), or -1 for off")
-
-
-def _port_in(text: str, low: int, allowed: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}; a port is {allowed}") from None
-    if not low <= n <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is {allowed}, got {n}")
-    return n
+    return _number(text, int, -1, 65535, "a port number", "a port is 0..65535 (0: any free port), or -1 for off")
 
 
 def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
+    return _number(text, int, 1, float("inf"), "a whole number", "must be >= 1")
 
 
 def _seconds(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0 <= x < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return x
+    return _number(text, float, 0, 1e300, "a number of seconds", "must be a finite number >= 0")
 
 
 def _http_args(p: argparse.ArgumentParser) -> None:

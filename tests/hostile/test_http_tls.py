@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import ssl
-import subprocess
 import time
 
 import httpx
 import pytest
 from websockets.asyncio.client import connect
 
+from pki import make_pki
 from serverproc import ServerProcess
 from webproc import WebProcess
 
@@ -22,24 +21,10 @@ ALICE = "alice-token-1"
 AS_ALICE = {"Authorization": f"Bearer {ALICE}"}
 
 
-def _openssl(*args, cwd):
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     """A CA, a server certificate for 127.0.0.1 and a client certificate, made with openssl."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed")
-    d = tmp_path_factory.mktemp("pki")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=envserve test CA",
-             "-keyout", "ca.key", "-out", "ca.pem", cwd=d)
-    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for name in ("server", "client"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
-                 "-out", f"{name}.csr", cwd=d)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-days", "2", "-extfile", "san.ext", "-out", f"{name}.pem", cwd=d)
+    d = make_pki(tmp_path_factory.mktemp("pki"))
     (d / "tokens").write_text(f"{ALICE}\n")
     return d
 

@@ -19,7 +19,7 @@ from envserve.client import EnvClient
 from envserve.v1 import envserve_pb2 as pb
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
 from outoftree import register_on_path
-from serverproc import ServerProcess
+from serverproc import ServerProcess, wait_until
 
 CODE = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -31,24 +31,6 @@ def stall_vars(tmp_path_factory):
     shutil.copy(Path(__file__).with_name("stall_env.py"), root / "stall_env.py")
     return register_on_path(root, "stall-env", {"envserve.envs": {"stall": "stall_env:Stall",
                                                                    "stall_hard": "stall_env:StallHard"}})
-
-
-def metric(server: ServerProcess, name: str) -> float:
-    """The sum of a metric's samples (every label) in the replica's Prometheus text."""
-    total = 0.0
-    for line in server.metrics_text().splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def until(check, what: str, limit: float = 120.0):
-    """Waits for check() to be true (a guard against a hang, not a measure of speed)."""
-    deadline = time.monotonic() + limit
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never: {what}")
-        time.sleep(0.05)
 
 
 def code_of(result: pb.StepResult) -> grpc.StatusCode:
@@ -63,7 +45,8 @@ def _held_open(server: ServerProcess, hold_dir: Path, count: int, name: str) -> 
     (hold_dir / "hold").write_text(f"{count // 2 - 8} {name}")
     with grpc.insecure_channel(server.address) as ch:
         call = pb_grpc.EnvServiceStub(ch).Open.future(pb.OpenRequest(env_id="stall", count=count), timeout=600)
-        until(lambda: len(list(hold_dir.glob("entered-*"))) == 2, f"both workers building the sessions of {name}: {sorted(p.name for p in hold_dir.iterdir())}")
+        wait_until(lambda: len(list(hold_dir.glob("entered-*"))) == 2,
+                   f"both workers building the sessions of {name}: {sorted(p.name for p in hold_dir.iterdir())}")
         call.cancel()
         with pytest.raises(grpc.FutureCancelledError):
             call.result()
@@ -86,7 +69,7 @@ def test_a_cancelled_open_leaves_no_session_in_the_workers(stall_vars, tmp_path,
         def settled() -> None:
             # Two sweeps in a row count only the kept sessions: the last round's are closed.
             for _ in range(2):
-                until(lambda: metric(server, "envserve_worker_sessions") == 3, "the workers holding only the kept")
+                wait_until(lambda: server.metric("envserve_worker_sessions") == 3, "the workers holding only the kept")
                 time.sleep(0.6)
 
         # Warm-up rounds, so that the baseline holds the heap such a round leaves (about 2 MiB a
@@ -103,8 +86,8 @@ def test_a_cancelled_open_leaves_no_session_in_the_workers(stall_vars, tmp_path,
             client.reset(kept, seeds=[1, 2, 3])    # keeps their leases while the rounds run
         settled()
         after = sum(w.memory_info().rss for w in workers)
-        assert metric(server, "envserve_replica_live_sessions") == 3
-        assert metric(server, "envserve_orphan_sessions_closed_total") == 0   # the Opens closed their own
+        assert server.metric("envserve_replica_live_sessions") == 3
+        assert server.metric("envserve_orphan_sessions_closed_total") == 0   # the Opens closed their own
         report(f"{rounds} Opens of 4096 cancelled while building: workers' RSS {before / 2**20:.0f} -> "
                f"{after / 2**20:.0f} MiB")
         assert after <= 1.10 * before
@@ -140,13 +123,13 @@ def test_a_step_past_the_time_limit_answers_deadline_exceeded_and_others_go_on(l
         assert client.step_one(same_worker, "<answer>go</answer>").status.code == 0
         assert client.reset_one(slow, 4).status.code == 0
         assert client.step_one(slow, "<answer>go</answer>").reward == 1.0
-        assert metric(limited, "envserve_worker_restarts_total") == 0
+        assert limited.metric("envserve_worker_restarts_total") == 0
         client.close_sessions([slow, other_worker, same_worker])
 
 
 def test_a_step_that_cannot_be_interrupted_costs_its_worker_not_the_replica(limited, report):
     with EnvClient(limited.address) as client:
-        restarts = metric(limited, "envserve_worker_restarts_total")
+        restarts = limited.metric("envserve_worker_restarts_total")
         # Spread over both workers: one shares the stuck session's worker, the others do not.
         stuck, *others = client.open("stall_hard", 4, None, "no_think")
         client.reset([stuck, *others], seeds=[0, 1, 2, 3])
@@ -158,7 +141,7 @@ def test_a_step_that_cannot_be_interrupted_costs_its_worker_not_the_replica(limi
         # Its worker went with it, and the sessions it held; the other worker's sessions live on.
         codes = [code_of(r) for r in client.step([(sid, "<answer>go</answer>") for sid in others])]
         assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.DATA_LOSS}, codes
-        until(lambda: metric(limited, "envserve_worker_restarts_total") == restarts + 1, "one worker replaced")
+        wait_until(lambda: limited.metric("envserve_worker_restarts_total") == restarts + 1, "one worker replaced")
         fresh = client.open("stall_hard", 2, None, "no_think")
         client.reset(fresh, seeds=[5, 6])
         assert all(r.status.code == 0 for r in client.step([(sid, "<answer>go</answer>") for sid in fresh]))
@@ -229,9 +212,9 @@ def test_a_stream_that_is_not_read_holds_no_more_than_its_cap(report):
                         session_id=sid, seed=k)) for i, sid in enumerate(sids)])
             call = stub.Interact(requests())
             await asyncio.sleep(3.0)   # the client reads nothing meanwhile
-            ran = metric(server, "envserve_step_seconds_count")
+            ran = server.metric("envserve_step_seconds_count")
             await asyncio.sleep(2.0)
-            ran_later = metric(server, "envserve_step_seconds_count")
+            ran_later = server.metric("envserve_step_seconds_count")
             rss = psutil.Process(server.proc.pid).memory_info().rss
             got = 0
             async for response in call:

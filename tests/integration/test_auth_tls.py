@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
 import subprocess
 import sys
 
@@ -11,6 +10,7 @@ import pytest
 
 from envserve.client import (AsyncEnvClient, EnvClient, EnvServeError, PermissionDeniedError,
                              UnauthenticatedError, UnavailableError, check)
+from pki import make_pki
 from serverproc import ServerProcess
 
 ALICE, BOB, JUDGE = "alice-token-1", "bob-token-2", "judge-token-3"
@@ -164,24 +164,10 @@ def test_without_state_tokens_the_owner_reads_its_own_state():
                 bob.get_state(sid)
 
 
-def _openssl(*args, cwd):
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     """A CA, a server certificate for 127.0.0.1 and a client certificate, made with openssl."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed")
-    d = tmp_path_factory.mktemp("pki")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=envserve test CA",
-             "-keyout", "ca.key", "-out", "ca.pem", cwd=d)
-    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for name in ("server", "client"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
-                 "-out", f"{name}.csr", cwd=d)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-days", "2", "-extfile", "san.ext", "-out", f"{name}.pem", cwd=d)
+    d = make_pki(tmp_path_factory.mktemp("pki"))
     return d
 
 

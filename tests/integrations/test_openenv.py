@@ -20,7 +20,7 @@ from envserve.client import EnvClient  # noqa: E402
 from envserve.client.experts import plain_answer, plan_frozenlake, plan_sokoban  # noqa: E402
 from envserve.v1 import envserve_pb2 as pb  # noqa: E402
 from envserve.v1 import envserve_pb2_grpc as pb_grpc  # noqa: E402
-from serverproc import ServerProcess  # noqa: E402
+from serverproc import ServerProcess, wait_until  # noqa: E402
 from webproc import WebProcess  # noqa: E402
 
 IDLE_SECONDS = 3.0
@@ -59,15 +59,6 @@ def live(address: str, env_id: str = "") -> dict[str, pb.SessionSummary]:
 def truth(address: str, session_id: str) -> dict:
     with EnvClient(address) as c:
         return json_format.MessageToDict(c.get_state(session_id).state)
-
-
-def wait_until(condition, what: str, limit: float = 30.0):
-    """Polls until condition() holds; the limit only stops a broken run from hanging."""
-    deadline = time.monotonic() + limit
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never happened: {what}")
-        time.sleep(0.05)
 
 
 def client(web, env_id: str) -> GenericEnvClient:
