@@ -105,6 +105,7 @@ def limited(stall_vars):
 
 def test_a_step_past_the_time_limit_answers_deadline_exceeded_and_others_go_on(limited, report):
     with EnvClient(limited.address) as client:
+        restarts = limited.metric("envserve_worker_restarts_total")
         slow, other_worker, same_worker = client.open("stall", 3, None, "no_think")
         client.reset([slow, other_worker, same_worker], seeds=[0, 1, 2])
         start = time.monotonic()
@@ -123,7 +124,7 @@ def test_a_step_past_the_time_limit_answers_deadline_exceeded_and_others_go_on(l
         assert client.step_one(same_worker, "<answer>go</answer>").status.code == 0
         assert client.reset_one(slow, 4).status.code == 0
         assert client.step_one(slow, "<answer>go</answer>").reward == 1.0
-        assert limited.metric("envserve_worker_restarts_total") == 0
+        assert limited.metric("envserve_worker_restarts_total") == restarts   # no worker was replaced
         client.close_sessions([slow, other_worker, same_worker])
 
 
