@@ -28,8 +28,8 @@ import time
 from typing import Callable
 
 from . import convert
-from .worker import (BUSY_SINCE, CANCEL_RING, CANCEL_SEQ, CURRENT_INDEX, CURRENT_REQUEST, SHARED_SLOTS, Worker,
-                     worker_main)
+from .worker import (CANCEL_RING, CANCEL_SEQ, CURRENT_INDEX, CURRENT_REQUEST, FIRST_CANCEL, INTERRUPTIBLE,
+                     SHARED_SLOTS, STOP_CANCELLED, STOP_INDEX, STOP_REASON, STOP_REQUEST, Worker, worker_main)
 
 log = logging.getLogger("envserve.pool")
 
@@ -39,8 +39,9 @@ LONE_WAIT_BACKOFF = 32
 # A cancelled request's running item is interrupted once it has run this long: a shorter one ends
 # sooner than the interruption would help, and would only leave its session to be reset.
 INTERRUPT_AFTER_S = 0.1
-# How often the front looks for items to interrupt (cancelled, past INTERRUPT_AFTER_S) and for
-# workers stuck past the time limit and its grace.
+# How often the front looks for items to interrupt (cancelled and past INTERRUPT_AFTER_S, or past
+# the time limit) and for workers stuck past the time limit and its grace: an item is stopped at
+# most this long after its limit.
 WATCH_PERIOD_S = 0.1
 # Polling starts after this many steps in a row went out alone: one caller stepping serially.
 # Where callers overlap, a step is alone now and then only, and the loop is better left to
@@ -64,18 +65,23 @@ class WorkerHandle:
     does not fit waits for add_writer), so the loop never blocks and no thread waits on the GIL;
     the worker reads them with an ordinary Connection, whose framing we write by hand."""
 
-    def __init__(self, slot: int, ctx, preload: list[str], time_limit_s: float = 0.0, limits=None):
+    def __init__(self, slot: int, ctx, preload: list[str], limits=None):
         self.slot = slot
         req_r, req_w = ctx.Pipe(duplex=False)
         rep_r, rep_w = ctx.Pipe(duplex=False)
-        # What the worker runs and since when, and which requests were cancelled (worker.WorkGuard).
+        # Which item the worker is on, which to stop, which requests were cancelled (worker.WorkGuard).
         self.shared = ctx.RawArray("q", SHARED_SLOTS)
         self._cancels = 0
         # Cancelled requests still out: their running item is interrupted once it has run a while.
         self.to_interrupt: set[int] = set()
+        # The item (request id, index) the front last saw the worker on, and since when; the one it
+        # last asked to stop at the time limit (asked once).
+        self._seen: tuple[int, int] | None = None
+        self._seen_at = 0.0
+        self._overdue: tuple[int, int] | None = None
         # Set when the front killed it for running one item too long: (request id, index, message).
         self.stuck: tuple[int, int, str] | None = None
-        self.process = ctx.Process(target=worker_main, args=(req_r, rep_w, preload, self.shared, time_limit_s, limits),
+        self.process = ctx.Process(target=worker_main, args=(req_r, rep_w, preload, self.shared, limits),
                                    daemon=True, name=f"envserve-worker-{slot}")
         self.process.start()
         req_r.close()
@@ -107,7 +113,7 @@ class WorkerHandle:
         shared = self.shared
         for rid in request_ids:
             if rid in self.pending:
-                shared[4 + self._cancels % CANCEL_RING] = rid
+                shared[FIRST_CANCEL + self._cancels % CANCEL_RING] = rid
                 self._cancels += 1
                 self.to_interrupt.add(rid)
         shared[CANCEL_SEQ] = self._cancels
@@ -117,19 +123,43 @@ class WorkerHandle:
         if not self.to_interrupt:
             return
         self.to_interrupt.intersection_update(self.pending)   # those answered need nothing more
+        busy = self.busy_seconds()
+        if self._seen is not None and self._seen[0] in self.to_interrupt and busy >= INTERRUPT_AFTER_S:
+            self.to_interrupt.discard(self._seen[0])
+            self._stop(STOP_CANCELLED)
+
+    def interrupt_overdue(self, time_limit_s: float) -> None:
+        """Asks the worker to stop an item that has run past the time limit (once an item), where
+        its env may be stopped part way."""
+        if self.busy_seconds() >= time_limit_s and self._seen != self._overdue and self.shared[INTERRUPTIBLE]:
+            self._overdue = self._seen
+            self._stop(max(1, round(time_limit_s * 1000)))
+
+    def _stop(self, reason: int) -> None:
+        """Names the item seen running and why it must stop (worker.STOP_*), and signals."""
         shared = self.shared
-        current = shared[CURRENT_REQUEST]
-        if current in self.to_interrupt and self.alive and self.busy_seconds() >= INTERRUPT_AFTER_S:
-            self.to_interrupt.discard(current)
+        shared[STOP_REQUEST], shared[STOP_INDEX] = self._seen
+        shared[STOP_REASON] = reason
+        if self.alive:
             try:
                 os.kill(self.pid, signal.SIGUSR1)
             except OSError:
                 pass
 
     def busy_seconds(self) -> float:
-        """How long the worker has been running its current item (0 when idle)."""
-        since = self.shared[BUSY_SINCE]
-        return (time.monotonic_ns() - since) / 1e9 if since else 0.0
+        """How long the worker has been on its current item, as the front has watched it (0 when
+        idle). Timed here, from when the front first saw the item, so that the worker pays no clock
+        for it: at most one watch period (WATCH_PERIOD_S) short."""
+        shared = self.shared
+        rid = shared[CURRENT_REQUEST]
+        if rid not in self.pending:
+            self._seen = None
+            return 0.0
+        item = (rid, shared[CURRENT_INDEX])
+        now = time.monotonic()
+        if item != self._seen:
+            self._seen, self._seen_at = item, now
+        return now - self._seen_at
 
     def send(self, message) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -193,6 +223,9 @@ class InlineWorker:
         pass  # an inline call runs to its end before the loop sees its cancel
 
     def interrupt_cancelled(self) -> None:
+        pass
+
+    def interrupt_overdue(self, time_limit_s: float) -> None:
         pass
 
     def busy_seconds(self) -> float:
@@ -260,7 +293,7 @@ class WorkerPool:
         self._watchdog = self._loop.create_task(self._watch())
 
     def _spawn(self, slot: int) -> WorkerHandle:
-        return WorkerHandle(slot, self._ctx, self._preload, self.time_limit_s, self._limits)
+        return WorkerHandle(slot, self._ctx, self._preload, self._limits)
 
     async def _watch(self) -> None:
         while not self.closing:
@@ -269,6 +302,8 @@ class WorkerPool:
                 for h in self.workers:
                     if h.alive:
                         h.interrupt_cancelled()
+                        if self.time_limit_s > 0:
+                            h.interrupt_overdue(self.time_limit_s)
                 if self.time_limit_s > 0:
                     self.kill_stuck()
             except Exception:
@@ -286,8 +321,7 @@ class WorkerPool:
                 continue
             busy = h.busy_seconds()
             if busy > limit:
-                shared = h.shared
-                h.stuck = (shared[CURRENT_REQUEST], shared[CURRENT_INDEX],
+                h.stuck = (*h._seen,
                            f"it ran past the replica's time limit of {self.time_limit_s:g} s per item and did not "
                            f"stop within {self.stuck_grace_s:g} s more; its worker was replaced")
                 log.warning("worker %d (pid %s) busy with one item for %.1f s: killed", h.slot, h.pid, busy)

@@ -8,9 +8,9 @@ request is a lone caller's step: the worker then polls for that caller's next re
 to wait_s after replying (NextRequestWait) rather than sleeping in its pipe's read.
 
 Time limits and cancels (WorkGuard): the worker and its front share a small array of integers
-(what the worker is running and since when; which requests the front cancelled). An item (a
-step, reset, fork copy or replay) that runs past the time limit is interrupted by SIGALRM, and
-one whose call was cancelled by SIGUSR1 from the front; either answers alone and leaves its
+(which request and item the worker is on; which requests the front cancelled). The front
+watches it and times each item: an item (a step, reset, fork copy or replay) that runs past the time limit, or whose
+call was cancelled, is interrupted by SIGUSR1 from the front; it answers alone and leaves its
 session needing a reset. Items of a cancelled request that have not started are skipped. An
 env that cannot be interrupted safely (spec.interruptible False) runs on, and the front kills a
 worker that stays busy past the limit and its grace (pool.WorkerPool.kill_stuck).
@@ -28,12 +28,15 @@ from envserve.core.registry import get_env_class
 from envserve.core.session import Session, SessionError
 from envserve.server import convert
 
-# The array a worker shares with its front, one int64 a slot: when the running unit of work began
-# (time.monotonic_ns, 0 when idle), its request and item index, and a ring of cancelled request ids
-# with the count of cancels written so far.
-BUSY_SINCE, CURRENT_REQUEST, CURRENT_INDEX, CANCEL_SEQ = 0, 1, 2, 3
+# The array a worker shares with its front, one int64 a slot: the request the worker is on and the
+# item of it, whether that item's env may be stopped part way; the item the front asks to stop and
+# why (STOP_CANCELLED, or the time limit in milliseconds); and a ring of cancelled request ids with
+# the count of cancels written so far.
+CURRENT_REQUEST, CURRENT_INDEX, INTERRUPTIBLE, STOP_REQUEST, STOP_INDEX, STOP_REASON, CANCEL_SEQ = range(7)
+STOP_CANCELLED = -1
+FIRST_CANCEL = 7
 CANCEL_RING = 64
-SHARED_SLOTS = 4 + CANCEL_RING
+SHARED_SLOTS = FIRST_CANCEL + CANCEL_RING
 
 STREAM_COALESCE_SECONDS = 0.0005
 # After a wait for the next request outlasts its window, this many hinted requests are answered
@@ -69,24 +72,31 @@ class ItemInterrupted(BaseException):
 
 
 class WorkGuard:
-    """What the worker runs, told to the front through the shared array, and the signals that
-    interrupt it: SIGALRM at the time limit, SIGUSR1 when the front cancelled its request. Only
-    an item's own code is interrupted (between begin and end, where `armed`); a signal anywhere
-    else (the worker's loop, a reply being written) is ignored, and a cancel is then seen by the
-    next item's check."""
+    """What the worker runs, told to the front through the shared array, and the signal that
+    interrupts it. The worker writes which request and which item of it it is on (one write an
+    item: no clock, no system call); the front, watching the array, times each item itself and
+    asks for a stop by naming the item and a reason in the array and sending SIGUSR1
+    (pool.WorkerHandle). Only an item's own code is interrupted (between begin and end, where
+    `armed`); a signal anywhere else (the worker's loop, a reply being written) or naming another
+    item is ignored, and a cancel is then seen by the next item's check."""
 
-    def __init__(self, shared=None, time_limit_s: float = 0.0):
+    def __init__(self, shared=None):
         self.shared = shared
-        self.time_limit_s = time_limit_s if shared is not None else 0.0
         self.armed = False
         self.request = 0
-        self._timed = False
+        self.index = 0
+        self._interruptible = -1
         self._seq = 0
         self._cancelled: frozenset[int] = frozenset()
 
     def install(self) -> None:
-        signal.signal(signal.SIGALRM, self._on_alarm)
-        signal.signal(signal.SIGUSR1, self._on_cancel)
+        signal.signal(signal.SIGUSR1, self._on_signal)
+
+    def start_request(self, request_id: int) -> None:
+        self.request, self.index = request_id, 0
+        if self.shared is not None:
+            self.shared[CURRENT_INDEX] = 0
+            self.shared[CURRENT_REQUEST] = request_id
 
     def cancelled(self, request_id: int) -> bool:
         shared = self.shared
@@ -95,42 +105,32 @@ class WorkGuard:
         seq = shared[CANCEL_SEQ]
         if seq != self._seq:
             self._seq = seq
-            self._cancelled = frozenset(shared[4:SHARED_SLOTS])
+            self._cancelled = frozenset(shared[FIRST_CANCEL:SHARED_SLOTS])
         return request_id in self._cancelled
 
     def begin(self, index: int, interruptible: bool) -> None:
         shared = self.shared
         if shared is None:
             return
-        shared[CURRENT_REQUEST] = self.request
+        if interruptible != self._interruptible:
+            shared[INTERRUPTIBLE] = self._interruptible = int(interruptible)
+        self.index = index
         shared[CURRENT_INDEX] = index
-        shared[BUSY_SINCE] = time.monotonic_ns()
-        if interruptible:
-            if self.time_limit_s > 0:
-                signal.setitimer(signal.ITIMER_REAL, self.time_limit_s)
-                self._timed = True
-            self.armed = True
+        self.armed = interruptible
 
     def end(self) -> None:
-        if self.shared is None:
+        self.armed = False
+
+    def _on_signal(self, signum, frame) -> None:
+        shared = self.shared
+        if not self.armed or shared[STOP_REQUEST] != self.request or shared[STOP_INDEX] != self.index:
             return
         self.armed = False
-        if self._timed:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            self._timed = False
-        self.shared[BUSY_SINCE] = 0
-
-    def _on_alarm(self, signum, frame) -> None:
-        if self.armed:
-            self.armed = False
-            raise ItemInterrupted("DEADLINE_EXCEEDED", f"it ran past the replica's time limit of "
-                                                       f"{self.time_limit_s:g} s per item")
-
-    def _on_cancel(self, signum, frame) -> None:
-        if self.armed and self.cancelled(self.request):
-            self.armed = False
+        if shared[STOP_REASON] == STOP_CANCELLED:
             raise ItemInterrupted("CANCELLED", "its call was cancelled (the caller's deadline passed, "
                                                "it cancelled, or its stream closed)")
+        raise ItemInterrupted("DEADLINE_EXCEEDED", f"it ran past the replica's time limit of "
+                                                   f"{shared[STOP_REASON] / 1000:g} s per item")
 
 
 class Worker:
@@ -356,8 +356,7 @@ class NextRequestWait:
         return "ready"
 
 
-def worker_main(requests, replies, preload: list[str], shared=None, time_limit_s: float = 0.0,
-                limits=None) -> None:
+def worker_main(requests, replies, preload: list[str], shared=None, limits=None) -> None:
     # The front handles signals; a worker only dies with it or when killed.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -366,7 +365,7 @@ def worker_main(requests, replies, preload: list[str], shared=None, time_limit_s
         config_limits.install(limits)
     for env_id in preload:
         get_env_class(env_id)  # import heavy packages before the first session
-    guard = WorkGuard(shared, time_limit_s)
+    guard = WorkGuard(shared)
     guard.install()
     worker = Worker(guard)
     ops = {name[3:]: getattr(worker, name) for name in dir(worker) if name.startswith("op_")}
@@ -379,7 +378,7 @@ def worker_main(requests, replies, preload: list[str], shared=None, time_limit_s
             request_id, op, payload, wait_s = requests.recv()
         except (EOFError, OSError):
             return  # the front is gone
-        guard.request = request_id
+        guard.start_request(request_id)
         if op == "stream":
             # Results go back as they finish; those finished within STREAM_COALESCE_SECONDS of
             # the last send share one message (a pipe message costs about as much as a step).
