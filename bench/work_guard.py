@@ -1,8 +1,8 @@
 """What a replica's item time limit costs a step: the same FrozenLake measurements (a batch Step of
 64 sessions, 64 callers each on its own session over one stream, one caller alone) against a
-replica with `--item-time-limit 60` (each item armed with a timer and told to the front through
-the shared array) and one with `--item-time-limit 0` (no timer), run in turns, A B A B, so drift
-on a busy machine falls on both.
+replica with `--item-time-limit 60` (a worker writes each item's number to the shared array and
+the front times it from there) and one with `--item-time-limit 0` (no limit), run in turns,
+A B A B, so drift on a busy machine falls on both.
 
 Optionally the same against another source tree (`--baseline-src DIR`, e.g. a `git worktree` of
 an earlier commit's `services/`), run beside it in the same turns.
