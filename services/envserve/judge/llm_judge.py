@@ -19,7 +19,8 @@ token bucket holding one token that refills at `requests_per_second` (so attempt
 errors, timeouts, 408, 409, 429 and 5xx, after Retry-After when the endpoint sends one, else after
 an exponential backoff with jitter (base * 2^n, capped, drawn from [d/2, d]). Other 4xx are not
 retried: asking again will not fix a bad request or a wrong key. The retry loop is
-envserve.client.http_retry, the one the trainer's OpenAI-compatible backend uses too.
+envserve.client.http_retry (tenacity underneath), the one the trainer's OpenAI-compatible backend
+uses too.
 
 No client-side micro-batching. The chat-completions API takes one conversation per request, and the
 servers a judge model runs on batch concurrent requests on the accelerator themselves (continuous
