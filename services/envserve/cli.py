@@ -9,8 +9,29 @@ import re
 import sys
 
 
+_NAMES_DEFAULT = re.compile(r"(?<!by )\bdefault\b", re.IGNORECASE)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to an option's help where X says something: not for flags, nor for an
+    empty or unset default (whose meaning the help text gives), nor where the help already names
+    its default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("%(default)" in text or _NAMES_DEFAULT.search(text) or action.nargs == 0
+                or action.default in (None, "", [], argparse.SUPPRESS)):
+            return text
+        return text + " (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
-    """Usage errors in one line (what was wrong, and where the help is), not the whole usage."""
+    """Usage errors in one line (what was wrong, and where the help is), not the whole usage; each
+    option's help shows its default (subcommands' parsers are _Parsers too)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
@@ -74,7 +95,8 @@ def _server_args(p: argparse.ArgumentParser, default_port: int) -> None:
                    default=float(os.environ.get("ENVSERVE_LONE_REQUEST_WAIT_US", "1000")),
                    help="while one caller steps alone, a worker that answered its step polls for the next one "
                         "this many microseconds before it sleeps (0: never) [$ENVSERVE_LONE_REQUEST_WAIT_US]")
-    p.add_argument("--max-sessions", type=_positive, default=10_000)
+    p.add_argument("--max-sessions", type=_positive, default=10_000,
+                   help="live sessions this replica holds at most; Open beyond answers RESOURCE_EXHAUSTED")
     p.add_argument("--max-open-per-call", type=_positive, default=4096,
                    help="sessions one Open, Fork or Restore makes at most (default: %(default)s)")
     p.add_argument("--max-message-bytes", type=_positive, default=64 * 1024 * 1024,
@@ -93,13 +115,18 @@ def _server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--orphan-sweep-seconds", type=_seconds, default=30.0,
                    help="how often workers are asked which sessions they hold, to close any the front does "
                         "not know (default: %(default)s)")
-    p.add_argument("--lease-seconds", type=_seconds, default=300.0)
+    p.add_argument("--lease-seconds", type=_seconds, default=300.0,
+                   help="seconds a session lives without a call before the replica closes it")
     p.add_argument("--metrics-port", type=_port_or_off, default=-1, help="Prometheus port (-1: off, 0: any free port)")
-    p.add_argument("--drain-timeout", type=_seconds, default=60.0)
+    p.add_argument("--drain-timeout", type=_seconds, default=60.0,
+                   help="on SIGTERM, seconds for calls in flight to finish and live sessions to move before the "
+                        "replica stops")
     p.add_argument("--no-migrate-on-drain", dest="migrate_on_drain", action="store_false",
                    help="on SIGTERM, leave live sessions to end with this replica instead of moving them")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
-    p.add_argument("--replica-id", default=os.environ.get("ENVSERVE_REPLICA_ID", ""))
+    p.add_argument("--replica-id", default=os.environ.get("ENVSERVE_REPLICA_ID", ""),
+                   help="this replica's id in the directory and in its session ids (empty: HOST-PORT-random) "
+                        "[$ENVSERVE_REPLICA_ID]")
     p.add_argument("--openenv-port", type=_port_or_off, default=-1,
                    help="also serve OpenEnv's protocol at http(s)://HOST:PORT/openenv/<env_id>/ (WebSocket /ws, "
                         "/reset /step /state ...) from this process, no facade hop; HTTPS with --tls-cert, "
@@ -116,7 +143,9 @@ def _server_args(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="host:port other services reach this replica on [$ENVSERVE_ADVERTISE]")
     p.add_argument("--external-address", default=env("ENVSERVE_EXTERNAL_ADDRESS", ""),
                    help="host:port reachable from outside, e.g. a published port [$ENVSERVE_EXTERNAL_ADDRESS]")
-    p.add_argument("--heartbeat-seconds", type=float, default=float(env("ENVSERVE_HEARTBEAT_SECONDS", "2.0")))
+    p.add_argument("--heartbeat-seconds", type=float, default=float(env("ENVSERVE_HEARTBEAT_SECONDS", "2.0")),
+                   help="how often the replica rewrites its directory record, which expires after two periods "
+                        "[$ENVSERVE_HEARTBEAT_SECONDS]")
     p.add_argument("--heartbeat-on-change-seconds", type=float, default=0.25,
                    help="also heartbeat this soon after the live-session count changed (0: off)")
     p.add_argument("--token-file", default=env("ENVSERVE_TOKEN_FILE", ""),
@@ -126,10 +155,12 @@ def _server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--state-token-file", default=env("ENVSERVE_STATE_TOKEN_FILE", ""),
                    help="tokens for the ground-truth services, each optionally followed by name= and reads=* "
                         "(also $ENVSERVE_STATE_TOKENS)")
-    p.add_argument("--tls-cert", default=env("ENVSERVE_TLS_CERT", ""))
-    p.add_argument("--tls-key", default=env("ENVSERVE_TLS_KEY", ""))
+    p.add_argument("--tls-cert", default=env("ENVSERVE_TLS_CERT", ""),
+                   help="serve TLS with this certificate (PEM; empty: plain gRPC) [$ENVSERVE_TLS_CERT]")
+    p.add_argument("--tls-key", default=env("ENVSERVE_TLS_KEY", ""),
+                   help="the certificate's key (PEM) [$ENVSERVE_TLS_KEY]")
     p.add_argument("--tls-client-ca", default=env("ENVSERVE_TLS_CLIENT_CA", ""),
-                   help="require client certificates signed by this CA (mutual TLS)")
+                   help="require client certificates signed by this CA (mutual TLS) [$ENVSERVE_TLS_CLIENT_CA]")
     p.add_argument("--config-limits", default=env("ENVSERVE_CONFIG_LIMITS", ""), metavar="FILE",
                    help="JSON or YAML mapping env ids (or '*' for the session keys every env has) to config keys "
                         "and the JSON Schema keywords that replace their built-in bounds, e.g. "
@@ -634,6 +665,7 @@ def cmd_judge_preview(args) -> int:
 
 
 def _judge_previews(args) -> list[dict]:
+    from envserve.client.errors import EnvServeError
     from envserve.judge import JudgeConfig
     from envserve.judge.app import JudgeServerConfig
     from envserve.judge.prompts import MAX_STATE_CHARS, judge_prompt, prompt_family, state_cut
@@ -769,11 +801,12 @@ def cmd_demo(args) -> int:
     return demo_main(args.address, args.port)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every subcommand; building it imports no server and starts nothing."""
     parser = _Parser(prog="envserve", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("serve", help="serve environments on one replica")
-    p.add_argument("envs", nargs="+")
+    p.add_argument("envs", nargs="+", help="environment ids to serve (see `envserve ls`)")
     _server_args(p, 50051)
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("up", help="a local stack of all registered environments")
@@ -781,7 +814,7 @@ def main(argv=None) -> int:
     _server_args(p, 50051)
     p.add_argument("--http-port", type=_port_or_off, default=-1,
                    help="also serve the HTTP facade and live page (-1: off); HTTPS with --tls-cert")
-    p.add_argument("--http-host", default="127.0.0.1")
+    p.add_argument("--http-host", default="127.0.0.1", help="address the HTTP facade binds")
     p.add_argument("--tls-ca", default="", help="with --http-port and --tls-cert: the CA the facade trusts the "
                                                 "replica's certificate by (default: that certificate itself)")
     p.add_argument("--containers", action="store_true",
@@ -794,7 +827,7 @@ def main(argv=None) -> int:
     p.add_argument("--directory", default=os.environ.get("ENVSERVE_DIRECTORY", ""),
                    help="redis://host:6379/0 (or memory://) [$ENVSERVE_DIRECTORY]")
     p.add_argument("--replica", action="append", default=[], metavar="HOST:PORT", help="a fixed replica (repeatable)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
     p.add_argument("--port", type=_port, default=8080, help="HTTP port (0: any free port)")
     p.add_argument("--tls-ca", default="", help="CA certificate of replicas that serve TLS")
     p.add_argument("--external", action="store_true", help="reach replicas at their external addresses")
@@ -832,16 +865,21 @@ def main(argv=None) -> int:
     p.add_argument("--fallback", default="", help="judge of envs the rule judge cannot score (default: llm if set)")
     p.add_argument("--llm-base-url", default=env("ENVSERVE_JUDGE_LLM_URL", ""),
                    help="OpenAI-compatible endpoint, e.g. http://vllm:8000/v1 [$ENVSERVE_JUDGE_LLM_URL]")
-    p.add_argument("--llm-model", default=env("ENVSERVE_JUDGE_LLM_MODEL", ""))
+    p.add_argument("--llm-model", default=env("ENVSERVE_JUDGE_LLM_MODEL", ""),
+                   help="the model name the endpoint serves [$ENVSERVE_JUDGE_LLM_MODEL]")
     p.add_argument("--llm-mode", default="", help="yesno (VAGEN's YES/NO) or structured (relations scored by F1)")
-    p.add_argument("--max-concurrent-items", type=int, default=64)
+    p.add_argument("--max-concurrent-items", type=int, default=64,
+                   help="items scored at once across all calls (a settings file's max_concurrent_items wins)")
     p.add_argument("--metrics-port", type=_port_or_off, default=-1, help="Prometheus port (-1: off, 0: any free port)")
-    p.add_argument("--metrics-host", default="127.0.0.1")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
     p.add_argument("--token-file", default=env("ENVSERVE_JUDGE_TOKEN_FILE", ""),
                    help="bearer tokens callers must send (also $ENVSERVE_JUDGE_TOKENS)")
-    p.add_argument("--tls-cert", default=env("ENVSERVE_TLS_CERT", ""))
-    p.add_argument("--tls-key", default=env("ENVSERVE_TLS_KEY", ""))
-    p.add_argument("--tls-client-ca", default=env("ENVSERVE_TLS_CLIENT_CA", ""))
+    p.add_argument("--tls-cert", default=env("ENVSERVE_TLS_CERT", ""),
+                   help="serve TLS with this certificate (PEM; empty: plain gRPC) [$ENVSERVE_TLS_CERT]")
+    p.add_argument("--tls-key", default=env("ENVSERVE_TLS_KEY", ""),
+                   help="the certificate's key (PEM) [$ENVSERVE_TLS_KEY]")
+    p.add_argument("--tls-client-ca", default=env("ENVSERVE_TLS_CLIENT_CA", ""),
+                   help="require client certificates signed by this CA (mutual TLS) [$ENVSERVE_TLS_CLIENT_CA]")
     g = p.add_argument_group("preview", "print the prompt the LLM judge would send for one agent reply, "
                                         "then exit (nothing is served; no model is called)")
     g.add_argument("--preview", action="store_true", help="print the prompt instead of serving")
@@ -863,7 +901,7 @@ def main(argv=None) -> int:
                    help="print the chat-completions request bodies (needs the judge model: --llm-model)")
     p.set_defaults(fn=cmd_judge)
     p = sub.add_parser("ls", help="list environments (registered here, or served at --address)")
-    p.add_argument("--address", default="")
+    p.add_argument("--address", default="", help="a running replica, HOST:PORT (empty: the registered ones)")
     p.set_defaults(fn=cmd_ls)
     p = sub.add_parser("replicas", help="list the live replicas in a directory")
     p.add_argument("--directory", default=os.environ.get("ENVSERVE_DIRECTORY", ""),
@@ -871,14 +909,14 @@ def main(argv=None) -> int:
     p.add_argument("--env", default="", help="only replicas serving this environment")
     p.set_defaults(fn=cmd_replicas)
     p = sub.add_parser("play", help="play an environment in the terminal")
-    p.add_argument("env")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("env", help="the environment id (see `envserve ls`)")
+    p.add_argument("--seed", type=int, default=0, help="the reset seed")
     p.add_argument("--config", default="", help="JSON object of config overrides")
     p.add_argument("--address", default="", help="a running server; default: start one in-process")
     p.set_defaults(fn=cmd_play)
     p = sub.add_parser("state", help="print a session's ground truth (GetState): a live one, or a seed's "
                                      "after given actions")
-    p.add_argument("env")
+    p.add_argument("env", help="the environment id (see `envserve ls`)")
     p.add_argument("--seed", type=int, default=None, help="reset a fresh session with this seed (default 0)")
     p.add_argument("--action", action="append", default=[], metavar="A",
                    help="one turn's action before reading the state, e.g. Up or 'Up, Left' (repeatable); a text "
@@ -899,16 +937,21 @@ def main(argv=None) -> int:
     p.add_argument("--dir", default="", help="where to write the package (default: ./NAME)")
     p.set_defaults(fn=cmd_new_env)
     p = sub.add_parser("health", help="check a replica's gRPC health service (exit 0 when serving)")
-    p.add_argument("--address", default="127.0.0.1:50051")
-    p.add_argument("--service", default="")
+    p.add_argument("--address", default="127.0.0.1:50051", help="the replica, HOST:PORT")
+    p.add_argument("--service", default="",
+                   help="the gRPC service to ask about, e.g. envserve.v1.EnvService (empty: the whole server)")
     p.add_argument("--tls-ca", default="", help="CA certificate, when the replica serves TLS")
-    p.add_argument("--timeout", type=float, default=3.0)
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     p.set_defaults(fn=cmd_health)
     p = sub.add_parser("demo", help="start `up` and play each grid env with a scripted agent")
     p.add_argument("--address", default="", help="a running server; default: start `envserve up`")
-    p.add_argument("--port", type=_port, default=50051)
+    p.add_argument("--port", type=_port, default=50051, help="the port of the `envserve up` it starts")
     p.set_defaults(fn=cmd_demo)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     from envserve.rpc.serving import ListenError
     try:
         return args.fn(args)
