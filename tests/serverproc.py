@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import functools
 import os
 import re
 import shutil
@@ -111,6 +113,22 @@ def serve_refusal(env_id: str, env_vars=None) -> subprocess.CompletedProcess:
     """`envserve serve ENV_ID` where it cannot start: its exit status and the line telling why."""
     return subprocess.run([sys.executable, "-m", "envserve.cli", "serve", env_id, "--port", "0"], capture_output=True,
                           text=True, timeout=300, env=dict(os.environ, **(env_vars or {})))
+
+
+def start_together(*makers) -> list:
+    """Calls each maker (a callable that starts a server and returns it: a ServerProcess, a
+    JudgeProcess) on a thread of its own and returns the servers in the makers' order. A start is
+    mostly the new process importing its envs, and those overlap. If one fails, the others are
+    killed and its error is raised."""
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(makers))) as pool:
+        futures = [pool.submit(make) for make in makers]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        for f in futures:
+            if f.exception() is None:
+                f.result().kill()
+        raise failed[0]
+    return [f.result() for f in futures]
 
 
 class ServerProcess:
@@ -272,8 +290,8 @@ class Cluster:
         self.url, self.envs, self.workers, self.env_vars = redis_url, list(envs), workers, env_vars
         self.heartbeat = heartbeat
         self.replicas: dict[str, ServerProcess] = {}
-        for rid in ids:
-            self.start(rid)
+        started = start_together(*(functools.partial(self.start, rid) for rid in ids))
+        self.replicas = dict(zip(ids, started))   # in the order asked for
         self.wait_listed(ids)
 
     def start(self, rid: str, port: int = 0) -> ServerProcess:
@@ -303,9 +321,10 @@ class Cluster:
             p.kill()
 
 
+@functools.cache
 def sapien_vulkan_problem() -> str:
     """Empty when SAPIEN (ManiSkill) can create its render device here, else why not; probed in a
-    child, to keep the test process clean."""
+    child, to keep the test process clean, once a test run (the machine does not change within it)."""
     probe = "import sapien; sapien.render.RenderSystem(); print('ok')"
     try:
         out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)

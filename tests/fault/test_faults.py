@@ -1,5 +1,6 @@
 """Faults with real processes: a worker killed mid-batch, SIGTERM mid-batch, idle leases, hostile input."""
 import asyncio
+import functools
 import os
 import random
 import re
@@ -14,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from envserve.client import AsyncRoutedClient, EnvClient, RoutedClient, item_error
 from envserve.client.errors import EnvServeError, SessionLostError, SessionNotFoundError, UnavailableError
-from serverproc import ServerProcess, calls_while_it_stops
+from serverproc import ServerProcess, calls_while_it_stops, start_together
 
 # Unparsable, so it never ends an episode, yet each step renders and records the turn.
 MOVE = "<think>wait</think>"
@@ -130,7 +131,7 @@ STALE = 600  # the client does not look at the listing again: its Opens go on re
 def test_a_routed_open_that_reaches_a_stopping_replica_opens_on_another(kind):
     """Replicas listed by address (nothing tells the client one is stopping): every Open succeeds,
     those that land on the stopping replica move on to the other."""
-    stopping, other = ServerProcess(["sokoban"], workers=1), ServerProcess(["sokoban"], workers=1)
+    stopping, other = start_together(*[functools.partial(ServerProcess, ["sokoban"], workers=1)] * 2)
     addresses = [stopping.address, other.address]
     try:
         if kind == "sync":

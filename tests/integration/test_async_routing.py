@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import pytest
 
 from envserve.client import AsyncRoutedClient
 from envserve.directory import open_directory, replica_of
-from serverproc import ServerProcess
+from serverproc import ServerProcess, start_together
 
 HEARTBEAT = 0.5
 
@@ -16,8 +17,8 @@ HEARTBEAT = 0.5
 @pytest.fixture
 def two_replicas(redis_server):
     extra = ["--directory", redis_server.url, "--heartbeat-seconds", str(HEARTBEAT)]
-    a = ServerProcess(["sokoban"], workers=1, metrics=False, extra=[*extra, "--replica-id", "async-a"])
-    b = ServerProcess(["sokoban"], workers=1, metrics=False, extra=[*extra, "--replica-id", "async-b"])
+    a, b = start_together(*(functools.partial(ServerProcess, ["sokoban"], workers=1, metrics=False,
+                                              extra=[*extra, "--replica-id", rid]) for rid in ("async-a", "async-b")))
     d = open_directory(redis_server.url)
     deadline = time.time() + 30
     while len(d.replicas()) < 2 and time.time() < deadline:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import subprocess
 import sys
 import threading
@@ -14,7 +15,7 @@ import pytest
 from envserve.client import AsyncRoutedClient, EnvClient, RoutedClient, check
 from envserve.directory import ReplicaInfo, open_directory, replica_of
 from envserve.directory.memory import MemoryDirectory
-from serverproc import ServerProcess
+from serverproc import ServerProcess, start_together
 
 HEARTBEAT = 0.5  # seconds; the directory forgets a replica two periods after its last heartbeat
 LOST = grpc.StatusCode.DATA_LOSS.value[0]
@@ -129,8 +130,8 @@ def test_a_replica_heartbeats_soon_after_its_sessions_change(redis_server):
     """Replicas with a 30 s heartbeat list another client's closes within a fraction of that, so
     a router opening next fills the replica just emptied instead of the fuller one."""
     url = redis_server.url + "?prefix=on-change"
-    a, b = (ServerProcess(["sokoban"], workers=1, metrics=False, extra=[
-        "--directory", url, "--heartbeat-seconds", "30", "--replica-id", rid]) for rid in ("slow-a", "slow-b"))
+    a, b = start_together(*(functools.partial(ServerProcess, ["sokoban"], workers=1, metrics=False, extra=[
+        "--directory", url, "--heartbeat-seconds", "30", "--replica-id", rid]) for rid in ("slow-a", "slow-b")))
     try:
         directory = open_directory(url)
         _wait_listed(directory, ["slow-a", "slow-b"])
@@ -160,9 +161,9 @@ def test_an_opens_answer_counts_what_other_clients_opened_there(redis_server, ki
     ten sessions on one of them show in the answer of this router's first Open there, so its next
     Opens fill the other; a listing older than those answers does not undo them."""
     url = redis_server.url + "?prefix=answer-count-" + kind
-    a, b = (ServerProcess(["sokoban"], workers=1, metrics=False, extra=[
+    a, b = start_together(*(functools.partial(ServerProcess, ["sokoban"], workers=1, metrics=False, extra=[
         "--directory", url, "--heartbeat-seconds", "30", "--heartbeat-on-change-seconds", "0",
-        "--replica-id", rid]) for rid in ("busy", "idle"))
+        "--replica-id", rid]) for rid in ("busy", "idle")))
     try:
         directory = open_directory(url)
         _wait_listed(directory, ["busy", "idle"])
@@ -262,7 +263,7 @@ def test_clients_of_a_replicas_old_address_are_closed_after_it_restarts_elsewher
 
 
 def test_two_replicas_failover_and_redis_restart(redis_server):
-    a, b = _serve(redis_server.url, "replica-a"), _serve(redis_server.url, "replica-b")
+    a, b = start_together(*(functools.partial(_serve, redis_server.url, rid) for rid in ("replica-a", "replica-b")))
     try:
         directory = open_directory(redis_server.url)
         _wait_listed(directory, ["replica-a", "replica-b"])
@@ -320,7 +321,7 @@ def test_two_replicas_failover_and_redis_restart(redis_server):
 
 
 def test_draining_replica_leaves_routing(redis_server):
-    a, b = _serve(redis_server.url, "drain-a"), _serve(redis_server.url, "drain-b")
+    a, b = start_together(*(functools.partial(_serve, redis_server.url, rid) for rid in ("drain-a", "drain-b")))
     try:
         directory = open_directory(redis_server.url)
         _wait_listed(directory, ["drain-a", "drain-b"])
@@ -359,7 +360,7 @@ def test_clients_of_replicas_gone_from_the_directory_are_closed(redis_server):
 
     from envserve.client import AsyncRoutedClient
 
-    a, b = _serve(redis_server.url, "ret-a"), _serve(redis_server.url, "ret-b")
+    a, b = start_together(*(functools.partial(_serve, redis_server.url, rid) for rid in ("ret-a", "ret-b")))
     try:
         directory = open_directory(redis_server.url)
         _wait_listed(directory, ["ret-a", "ret-b"])

@@ -1,5 +1,6 @@
 """The HTTP/JSON facade (`envserve web`) over real replica processes on loopback."""
 import base64
+import functools
 import io
 import time
 
@@ -12,7 +13,7 @@ from envserve.client import EnvClient, check
 from envserve.directory import ReplicaInfo, open_directory, replica_of
 from envserve.v1 import envserve_pb2 as pb
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
-from serverproc import ServerProcess, calls_while_it_stops
+from serverproc import ServerProcess, calls_while_it_stops, start_together
 from webproc import WebProcess
 
 MOVE = "<think>plan</think><answer>{}</answer>"
@@ -276,7 +277,7 @@ def test_up_serves_the_facade_beside_the_replica():
 def test_an_open_that_reaches_a_stopping_replica_opens_on_another():
     """Opens over HTTP from threads while one of the two replicas stops: those that reach it as its
     gRPC server shuts down (which cancels them) go to the other replica, like a refused one."""
-    stopping, other = (ServerProcess(["sokoban"], workers=1, metrics=False) for _ in range(2))
+    stopping, other = start_together(*[functools.partial(ServerProcess, ["sokoban"], workers=1, metrics=False)] * 2)
     try:
         with WebProcess.facade([stopping.address, other.address]) as w, \
                 httpx.Client(base_url=w.url, timeout=60) as http:

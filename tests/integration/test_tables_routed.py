@@ -4,6 +4,7 @@ its end with each seat stepped by its own rollout."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import grpc
@@ -14,7 +15,7 @@ pytest.importorskip("textarena")
 from envserve.client import AsyncRoutedClient, RoutedClient  # noqa: E402
 from envserve.client.errors import EnvServeError  # noqa: E402
 from envserve.directory import open_directory, replica_of  # noqa: E402
-from serverproc import ServerProcess  # noqa: E402
+from serverproc import ServerProcess, start_together  # noqa: E402
 
 TTT = "textarena:TicTacToe-v0"
 # Seat 0 takes the left column while seat 1 plays the middle one.
@@ -24,8 +25,8 @@ MOVES = ([0, 3, 6], [4, 5, 8])
 @pytest.fixture
 def two_replicas(redis_server):
     extra = ["--directory", redis_server.url, "--heartbeat-seconds", "0.5"]
-    a = ServerProcess([TTT], workers=2, metrics=False, extra=[*extra, "--replica-id", "tables-a"])
-    b = ServerProcess([TTT], workers=2, metrics=False, extra=[*extra, "--replica-id", "tables-b"])
+    a, b = start_together(*(functools.partial(ServerProcess, [TTT], workers=2, metrics=False,
+                                              extra=[*extra, "--replica-id", rid]) for rid in ("tables-a", "tables-b")))
     d = open_directory(redis_server.url)
     deadline = time.time() + 30
     while len(d.replicas()) < 2 and time.time() < deadline:
