@@ -41,6 +41,15 @@ def cluster():
             close_channels()
 
 
+@pytest.fixture(scope="module")
+def lone():
+    """One frozenlake replica with one worker, for the lane tests: each opens its own sessions and
+    reads only its client's lanes, and a worker it stops (SIGSTOP) it lets run again."""
+    from serverproc import ServerProcess
+    with ServerProcess(["frozenlake"], workers=1, metrics=False) as server:
+        yield server
+
+
 def addresses(cluster) -> list[str]:
     return [cluster.replicas[rid].address for rid in IDS]
 
@@ -335,7 +344,7 @@ def test_openenvs_client_through_the_facade_spreads_sockets_over_every_replica(c
 
 
 @pytest.mark.parametrize("lane_kind", ["polled", "blocking"])
-def test_a_step_past_its_deadline_fails_alone_and_the_stream_goes_on(monkeypatch, lane_kind):
+def test_a_step_past_its_deadline_fails_alone_and_the_stream_goes_on(lone, monkeypatch, lane_kind):
     """A worker stopped (SIGSTOP) mid-episode: the sync step waits its deadline, fails
     DEADLINE_EXCEEDED, and once the worker runs again the next steps are answered: on a new lane
     where the thread stepped alone (the timed-out lane is closed), on the
@@ -344,7 +353,6 @@ def test_a_step_past_its_deadline_fails_alone_and_the_stream_goes_on(monkeypatch
     import signal
 
     from envserve.client import EnvServeError, RecoverySettings, StreamingClient, sync_lane
-    from serverproc import ServerProcess
     monkeypatch.setattr(sync_lane, "KIND", lane_kind)
 
     def stalled(c, sid, worker):
@@ -356,35 +364,34 @@ def test_a_step_past_its_deadline_fails_alone_and_the_stream_goes_on(monkeypatch
         finally:
             os.kill(worker, signal.SIGCONT)
 
-    with ServerProcess(["frozenlake"], workers=1, metrics=False) as server:
-        with StreamingClient(server.address, timeout=1.0, recovery=RecoverySettings(timeout_seconds=1.0)) as c:
-            sid = c.open("frozenlake", 1, {"max_turns": 1000})[0]
-            assert c.reset([sid], [0])[0].status.code == 0
-            assert c.step([(sid, "<answer>Left</answer>")])[0].turn == 1
-            (worker,) = server.worker_pids()
-            lanes = dict(c._lanes)
-            assert len(lanes) == 1, "a lone thread steps on its replica's lane"
-            stalled(c, sid, worker)
-            # The late step was skipped when the worker woke, its caller gone (turn 2 next), or
-            # stepped if the worker took it before the replica heard of the deadline (turn 3).
-            r = c.step([(sid, "<answer>Left</answer>")])[0]
-            assert r.status.code == 0 and r.turn in (2, 3), r
-            assert len(c._lanes) == 1 and c._lanes != lanes
-            (old,) = lanes.values()
-            assert old.closed and old.timed_out
-            assert getattr(old, "_due", set()) == set(), "the timed-out call's completions are all taken"
+    with StreamingClient(lone.address, timeout=1.0, recovery=RecoverySettings(timeout_seconds=1.0)) as c:
+        sid = c.open("frozenlake", 1, {"max_turns": 1000})[0]
+        assert c.reset([sid], [0])[0].status.code == 0
+        assert c.step([(sid, "<answer>Left</answer>")])[0].turn == 1
+        (worker,) = lone.worker_pids()
+        lanes = dict(c._lanes)
+        assert len(lanes) == 1, "a lone thread steps on its replica's lane"
+        stalled(c, sid, worker)
+        # The late step was skipped when the worker woke, its caller gone (turn 2 next), or
+        # stepped if the worker took it before the replica heard of the deadline (turn 3).
+        r = c.step([(sid, "<answer>Left</answer>")])[0]
+        assert r.status.code == 0 and r.turn in (2, 3), r
+        assert len(c._lanes) == 1 and c._lanes != lanes
+        (old,) = lanes.values()
+        assert old.closed and old.timed_out
+        assert getattr(old, "_due", set()) == set(), "the timed-out call's completions are all taken"
 
-            (lane,) = c._lanes.values()
-            with lane.busy:  # another thread holds the lane: steps go over the loop's shared stream
-                turn = c.step([(sid, "<answer>Left</answer>")])[0].turn
-                assert turn == r.turn + 1
-                streams = dict(c.routed._streams)
-                assert len(streams) == 1
-                stalled(c, sid, worker)
-                # The shared stream stays open, so the late step is not cancelled: it ran.
-                r = c.step([(sid, "<answer>Left</answer>")])[0]
-                assert r.status.code == 0 and r.turn == turn + 2, r
-                assert c.routed._streams == streams
+        (lane,) = c._lanes.values()
+        with lane.busy:  # another thread holds the lane: steps go over the loop's shared stream
+            turn = c.step([(sid, "<answer>Left</answer>")])[0].turn
+            assert turn == r.turn + 1
+            streams = dict(c.routed._streams)
+            assert len(streams) == 1
+            stalled(c, sid, worker)
+            # The shared stream stays open, so the late step is not cancelled: it ran.
+            r = c.step([(sid, "<answer>Left</answer>")])[0]
+            assert r.status.code == 0 and r.turn == turn + 2, r
+            assert c.routed._streams == streams
 
 
 def one_step_on_a_lane(c) -> tuple:
@@ -398,24 +405,22 @@ def one_step_on_a_lane(c) -> tuple:
 
 
 @pytest.mark.parametrize("lane_kind", ["polled", "blocking"])
-def test_a_lane_never_answers_a_step_with_an_earlier_ones_result(monkeypatch, lane_kind):
+def test_a_lane_never_answers_a_step_with_an_earlier_ones_result(lone, monkeypatch, lane_kind):
     """An answer left on a lane (its caller interrupted while waiting, as by Ctrl-C) is not the next
     caller's: each step reads the answer to its own item."""
     from envserve.client import StreamingClient, sync_lane
     from envserve.v1 import envserve_pb2 as pb
-    from serverproc import ServerProcess
     monkeypatch.setattr(sync_lane, "KIND", lane_kind)
-    with ServerProcess(["frozenlake"], workers=1, metrics=False) as server:
-        with StreamingClient(server.address) as c:
-            sid, lane = one_step_on_a_lane(c)
-            kind = sync_lane.PolledLane if lane_kind == "polled" else sync_lane.BlockingStreamLane
-            assert type(lane) is kind, "this grpcio gives the caller-polled lane"
-            # A step whose answer no one reads, as an interrupted caller leaves it.
-            lane._send(pb.InteractRequest(items=[pb.InteractItem(
-                tag=10**9, step=pb.StepItem(session_id=sid, action="<answer>Left</answer>"))]))
-            r = c.step([(sid, "<answer>Left</answer>")])[0]
-            assert r.status.code == 0 and r.turn == 3, r
-            assert c._lanes == {next(iter(c._lanes)): lane}, "the same lane goes on"
+    with StreamingClient(lone.address) as c:
+        sid, lane = one_step_on_a_lane(c)
+        kind = sync_lane.PolledLane if lane_kind == "polled" else sync_lane.BlockingStreamLane
+        assert type(lane) is kind, "this grpcio gives the caller-polled lane"
+        # A step whose answer no one reads, as an interrupted caller leaves it.
+        lane._send(pb.InteractRequest(items=[pb.InteractItem(
+            tag=10**9, step=pb.StepItem(session_id=sid, action="<answer>Left</answer>"))]))
+        r = c.step([(sid, "<answer>Left</answer>")])[0]
+        assert r.status.code == 0 and r.turn == 3, r
+        assert c._lanes == {next(iter(c._lanes)): lane}, "the same lane goes on"
 
 
 def test_a_lane_to_a_replica_gone_for_good_is_closed(redis_server):
@@ -448,14 +453,13 @@ def test_a_lane_to_a_replica_gone_for_good_is_closed(redis_server):
 
 
 @pytest.mark.parametrize("lane_kind", ["polled", "blocking"])
-def test_a_caller_interrupted_on_its_lane_leaves_it_usable(monkeypatch, lane_kind):
+def test_a_caller_interrupted_on_its_lane_leaves_it_usable(lone, monkeypatch, lane_kind):
     """A signal handler's exception (Ctrl-C's KeyboardInterrupt) ends a step waiting on its lane:
     that lane is closed, the step still runs on the replica, and the next call reads its own answer
     on a new lane."""
     import signal
 
     from envserve.client import StreamingClient, sync_lane
-    from serverproc import ServerProcess
     monkeypatch.setattr(sync_lane, "KIND", lane_kind)
 
     class Interrupted(Exception):
@@ -478,122 +482,115 @@ def test_a_caller_interrupted_on_its_lane_leaves_it_usable(monkeypatch, lane_kin
 
     previous = signal.signal(signal.SIGALRM, interrupt)
     try:
-        with ServerProcess(["frozenlake"], workers=1, metrics=False) as server:
-            with StreamingClient(server.address) as c:
-                sid, lane = one_step_on_a_lane(c)
-                (worker,) = server.worker_pids()
-                os.kill(worker, signal.SIGSTOP)  # the answer cannot come while the caller waits
-                waiting_on.append(lane)
-                try:
-                    signal.setitimer(signal.ITIMER_REAL, 0.5, 0.1)
-                    with pytest.raises(Interrupted):
-                        c.step([(sid, "<answer>Left</answer>")])
-                finally:
-                    signal.setitimer(signal.ITIMER_REAL, 0)
-                    os.kill(worker, signal.SIGCONT)
-                r = c.step([(sid, "<answer>Left</answer>")])[0]
-                # The interrupted step ran (this one is turn 3) unless the replica heard its caller
-                # was gone before the worker, stopped meanwhile, began it: then it was skipped and
-                # this one is turn 2.
-                assert r.status.code == 0 and r.turn in (2, 3), r
-                assert lane.closed and lane not in sync_lane._OPEN
-                (new,) = c._lanes.values()
-                assert new is not lane and not new.closed
-                assert c.step([(sid, "<answer>Left</answer>")])[0].turn == r.turn + 1
-                assert list(c._lanes.values()) == [new]
+        with StreamingClient(lone.address) as c:
+            sid, lane = one_step_on_a_lane(c)
+            (worker,) = lone.worker_pids()
+            os.kill(worker, signal.SIGSTOP)  # the answer cannot come while the caller waits
+            waiting_on.append(lane)
+            try:
+                signal.setitimer(signal.ITIMER_REAL, 0.5, 0.1)
+                with pytest.raises(Interrupted):
+                    c.step([(sid, "<answer>Left</answer>")])
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                os.kill(worker, signal.SIGCONT)
+            r = c.step([(sid, "<answer>Left</answer>")])[0]
+            # The interrupted step ran (this one is turn 3) unless the replica heard its caller
+            # was gone before the worker, stopped meanwhile, began it: then it was skipped and
+            # this one is turn 2.
+            assert r.status.code == 0 and r.turn in (2, 3), r
+            assert lane.closed and lane not in sync_lane._OPEN
+            (new,) = c._lanes.values()
+            assert new is not lane and not new.closed
+            assert c.step([(sid, "<answer>Left</answer>")])[0].turn == r.turn + 1
+            assert list(c._lanes.values()) == [new]
     finally:
         signal.signal(signal.SIGALRM, previous)
 
 
-def test_a_grpcio_without_the_polled_call_gets_blocking_stream_lanes(monkeypatch, caplog):
+def test_a_grpcio_without_the_polled_call_gets_blocking_stream_lanes(lone, monkeypatch, caplog):
     """Where the installed grpcio lacks the single-threaded call the polled lane is built on, lanes
     are gRPC's blocking streams, with a warning, and steps go on as before."""
     from envserve.client import StreamingClient, sync_lane
-    from serverproc import ServerProcess
 
     def missing(self, stub, metadata=()):
         raise AttributeError("'_StreamStreamMultiCallable' object has no attribute '_registered_call_handle'")
 
     monkeypatch.setattr(sync_lane.PolledLane, "__init__", missing)
-    with ServerProcess(["frozenlake"], workers=1, metrics=False) as server:
-        with StreamingClient(server.address) as c:
-            sid, lane = one_step_on_a_lane(c)
-            assert [c.step([(sid, "<answer>Left</answer>")])[0].turn for _ in range(2)] == [2, 3]
-            assert type(lane) is sync_lane.BlockingStreamLane
+    with StreamingClient(lone.address) as c:
+        sid, lane = one_step_on_a_lane(c)
+        assert [c.step([(sid, "<answer>Left</answer>")])[0].turn for _ in range(2)] == [2, 3]
+        assert type(lane) is sync_lane.BlockingStreamLane
     assert "blocking-stream lane instead of a polled one" in caplog.text
 
 
 @pytest.mark.parametrize("lane_kind", ["polled", "blocking"])
-def test_a_streaming_client_dropped_without_close_closes_its_lanes(monkeypatch, lane_kind):
+def test_a_streaming_client_dropped_without_close_closes_its_lanes(lone, monkeypatch, lane_kind):
     """A client no one closed (an adapter's env collected with its trainer) ends its lanes when it
     is collected: each holds a call inside gRPC (and a blocking stream, gRPC threads) that a later
     fork would otherwise carry."""
     import gc
 
     from envserve.client import StreamingClient, sync_lane
-    from serverproc import ServerProcess
     monkeypatch.setattr(sync_lane, "KIND", lane_kind)
-    with ServerProcess(["frozenlake"], workers=1, metrics=False) as server:
-        c = StreamingClient(server.address)
-        _, lane = one_step_on_a_lane(c)
-        threads = list(lane.threads)
-        assert not lane.closed and lane in sync_lane._OPEN
-        if lane_kind == "blocking":
-            assert any(t.is_alive() for t in threads), "a blocking stream runs gRPC threads while it is open"
-        else:
-            assert threads == [] and lane._due, "a polled lane: its caller polls, its batches are out"
-        del c
-        gc.collect()
-        assert lane.closed and lane not in sync_lane._OPEN
-        assert getattr(lane, "_due", set()) == set(), "every completion of the cancelled call is taken"
-        for t in threads:
-            t.join(60)
-        assert not any(t.is_alive() for t in threads)
+    c = StreamingClient(lone.address)
+    _, lane = one_step_on_a_lane(c)
+    threads = list(lane.threads)
+    assert not lane.closed and lane in sync_lane._OPEN
+    if lane_kind == "blocking":
+        assert any(t.is_alive() for t in threads), "a blocking stream runs gRPC threads while it is open"
+    else:
+        assert threads == [] and lane._due, "a polled lane: its caller polls, its batches are out"
+    del c
+    gc.collect()
+    assert lane.closed and lane not in sync_lane._OPEN
+    assert getattr(lane, "_due", set()) == set(), "every completion of the cancelled call is taken"
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
 
 
-def test_steps_handed_over_from_many_threads_each_reach_their_own_caller():
+def test_steps_handed_over_from_many_threads_each_reach_their_own_caller(lone):
     """Overlapping sync steps are handed to the loop in a queue and answered straight to each
     waiting thread: every thread gets its own session's next turn, the steps share messages of the
     replica's stream, and nothing is left queued."""
     from envserve.client import StreamingClient
-    from serverproc import ServerProcess
     threads, rounds = 16, 30
-    with ServerProcess(["frozenlake"], workers=1, metrics=False) as server:
-        with StreamingClient(server.address) as c:
-            sids = c.open("frozenlake", threads, {"max_turns": 1000})
-            c.reset(sids, list(range(threads)))
-            c.step([(sids[0], "<answer>Left</answer>")])      # the stream is up (a lone step takes a lane)
-            c.step([(sids[0], "<answer>Left</answer>"), (sids[1], "<answer>Left</answer>")])
-            start = {sid: (2 if k == 0 else 1 if k == 1 else 0) for k, sid in enumerate(sids)}
-            handed = []
-            drain = c._drain
+    with StreamingClient(lone.address) as c:
+        sids = c.open("frozenlake", threads, {"max_turns": 1000})
+        c.reset(sids, list(range(threads)))
+        c.step([(sids[0], "<answer>Left</answer>")])      # the stream is up (a lone step takes a lane)
+        c.step([(sids[0], "<answer>Left</answer>"), (sids[1], "<answer>Left</answer>")])
+        start = {sid: (2 if k == 0 else 1 if k == 1 else 0) for k, sid in enumerate(sids)}
+        handed = []
+        drain = c._drain
 
-            def counted_drain():
-                handed.append(len(c._queue))
-                drain()
-            c._drain = counted_drain
-            barrier = threading.Barrier(threads)
-            got: dict[str, list[tuple[str, int]]] = {}
-            (lane,) = c._lanes.values()
+        def counted_drain():
+            handed.append(len(c._queue))
+            drain()
+        c._drain = counted_drain
+        barrier = threading.Barrier(threads)
+        got: dict[str, list[tuple[str, int]]] = {}
+        (lane,) = c._lanes.values()
 
-            def rollout(sid):
-                barrier.wait()
-                got[sid] = [(r.session_id, r.turn) for _ in range(rounds)
-                            for r in c.step([(sid, "<answer>Left</answer>")])]
-            with lane.busy:  # the lane taken: every step goes the loop's way
-                ts = [threading.Thread(target=rollout, args=(sid,)) for sid in sids]
-                for t in ts:
-                    t.start()
-                for t in ts:
-                    t.join(120)
-            stream = next(iter(c.routed._streams.values()))
-            for sid in sids:
-                real = c.sessions.current(sid)
-                assert got[sid] == [(real, start[sid] + k + 1) for k in range(rounds)], sid
-            assert sum(handed) == threads * rounds, "every step went through the queue"
-            assert len(handed) < threads * rounds, "a drain took several steps at once"
-            assert stream.messages_sent < threads * rounds
-            assert c._queue == [] and not c._drain_due and c._due == {}
+        def rollout(sid):
+            barrier.wait()
+            got[sid] = [(r.session_id, r.turn) for _ in range(rounds)
+                        for r in c.step([(sid, "<answer>Left</answer>")])]
+        with lane.busy:  # the lane taken: every step goes the loop's way
+            ts = [threading.Thread(target=rollout, args=(sid,)) for sid in sids]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(120)
+        stream = next(iter(c.routed._streams.values()))
+        for sid in sids:
+            real = c.sessions.current(sid)
+            assert got[sid] == [(real, start[sid] + k + 1) for k in range(rounds)], sid
+        assert sum(handed) == threads * rounds, "every step went through the queue"
+        assert len(handed) < threads * rounds, "a drain took several steps at once"
+        assert stream.messages_sent < threads * rounds
+        assert c._queue == [] and not c._drain_due and c._due == {}
 
 
 def test_a_stuck_worker_holds_no_handed_over_step_of_its_replica_for_long():
