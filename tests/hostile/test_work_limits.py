@@ -8,6 +8,7 @@ import asyncio
 import re
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -44,9 +45,24 @@ def _held_open(server: ServerProcess, hold_dir: Path, count: int, name: str) -> 
     is held near the end of its share, the rest built: the cancel lands while the workers build."""
     (hold_dir / "hold").write_text(f"{count // 2 - 8} {name}")
     with grpc.insecure_channel(server.address) as ch:
-        call = pb_grpc.EnvServiceStub(ch).Open.future(pb.OpenRequest(env_id="stall", count=count), timeout=600)
-        wait_until(lambda: len(list(hold_dir.glob("entered-*"))) == 2,
-                   f"both workers building the sessions of {name}: {sorted(p.name for p in hold_dir.iterdir())}")
+        def open_call():
+            return pb_grpc.EnvServiceStub(ch).Open.future(pb.OpenRequest(env_id="stall", count=count), timeout=600)
+
+        call = open_call()
+
+        def held() -> bool:
+            nonlocal call
+            if len(list(hold_dir.glob("entered-*"))) == 2:
+                return True
+            if call.done():
+                # The replica counts an earlier round's sessions until their closing (queued in the
+                # workers behind the next round's builds) is done, and refuses an Open that would not
+                # fit beside them: the replica is full for a moment, no session is lost; ask again.
+                assert call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "replica is full" in call.details(), \
+                    (call.code(), call.details())
+                call = open_call()
+            return False
+        wait_until(held, f"both workers building the sessions of {name}: {sorted(p.name for p in hold_dir.iterdir())}")
         call.cancel()
         with pytest.raises(grpc.FutureCancelledError):
             call.result()
@@ -65,6 +81,19 @@ def test_a_cancelled_open_leaves_no_session_in_the_workers(stall_vars, tmp_path,
             EnvClient(server.address) as client:
         kept = client.open("stall", 3)   # sessions of another caller, which must stay
         workers = [psutil.Process(p) for p in server.worker_pids()]
+        # A round or a settling can outlast the 5 s lease on a busy machine. A Reset sent and not
+        # waited for renews the kept sessions' leases as the front routes it, even while their
+        # workers are held inside an Open.
+        renewing = threading.Event()
+
+        def renew_leases() -> None:
+            with grpc.insecure_channel(server.address) as ch:
+                stub = pb_grpc.EnvServiceStub(ch)
+                while not renewing.wait(1.0) and server.proc.poll() is None:
+                    stub.Reset.future(pb.ResetRequest(items=[pb.ResetItem(session_id=s, seed=1) for s in kept]),
+                                      timeout=600)
+        renewer = threading.Thread(target=renew_leases, daemon=True)
+        renewer.start()
 
         def settled() -> None:
             # Two sweeps in a row count only the kept sessions: the last round's are closed.
@@ -90,8 +119,15 @@ def test_a_cancelled_open_leaves_no_session_in_the_workers(stall_vars, tmp_path,
         assert server.metric("envserve_orphan_sessions_closed_total") == 0   # the Opens closed their own
         report(f"{rounds} Opens of 4096 cancelled while building: workers' RSS {before / 2**20:.0f} -> "
                f"{after / 2**20:.0f} MiB")
-        assert after <= 1.10 * before
+        # Sessions lost in a worker are caught exactly above (the sweep's counts); this bound is for
+        # memory kept per cancelled Open without a session. One round's 4096 sessions kept would add
+        # about 12 MiB, 40 rounds' hundreds. On a busy machine one round's close overlaps the next
+        # one's build and the allocator's high-water rises by a few MiB (57 -> 66 MiB seen beside
+        # CPU burners, 57 -> 60 without), hence 1.25x rather than a tighter bound.
+        assert after <= 1.25 * before
         assert all(r.status.code == 0 for r in client.step([(sid, "go") for sid in kept]))
+        renewing.set()
+        renewer.join(60)
 
 
 # -- the time limit of an item ---------------------------------------------------------------------
@@ -212,8 +248,14 @@ def test_a_stream_that_is_not_read_holds_no_more_than_its_cap(report):
                     yield pb.InteractRequest(items=[pb.InteractItem(tag=k * per_request + i, reset=pb.ResetItem(
                         session_id=sid, seed=k)) for i, sid in enumerate(sids)])
             call = stub.Interact(requests())
-            await asyncio.sleep(3.0)   # the client reads nothing meanwhile
-            ran = server.metric("envserve_step_seconds_count")
+            # The client reads nothing meanwhile. The replica runs items until the cap holds it: wait
+            # until its count has stood still for 2 s (on a busy machine that takes more than a moment).
+            ran, since, deadline = -1.0, time.monotonic(), time.monotonic() + 120
+            while time.monotonic() - since < 2.0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.25)
+                now = server.metric("envserve_step_seconds_count")
+                if now != ran:
+                    ran, since = now, time.monotonic()
             await asyncio.sleep(2.0)
             ran_later = server.metric("envserve_step_seconds_count")
             rss = psutil.Process(server.proc.pid).memory_info().rss
