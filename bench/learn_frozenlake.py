@@ -33,10 +33,9 @@ def main() -> int:
     stop_on_sigterm()  # a SIGTERM stops the servers this run started, too
 
     from serverproc import ServerProcess
-    from envserve_trainer.cli import _config
-    from envserve_trainer.train import Connection, Trainer
+    from envserve_trainer.api import Connection, Trainer, load_config
 
-    cfg = _config(args.config)
+    cfg = load_config(args.config)
     out = Path(args.output_dir)
     with ServerProcess(["frozenlake"], workers=1, metrics=False) as server:
         trainer = Trainer(cfg, out, Connection(env_address=server.address))

@@ -45,8 +45,7 @@ DEMOS = {"frozenlake": 300, "sokoban": 200}
 def evaluate(cfg, model, tokenizer, conn, samples: int) -> dict[str, dict[str, Any]]:
     """Greedy play of both task sets and sampled play (K per task) of the held-out one: split -> the
     figures of the table (the sampled ones only for held-out: sampling costs K times greedy's time)."""
-    from envserve_trainer.policy.hf import HFPolicy
-    from envserve_trainer.train import evaluate_policy
+    from envserve_trainer.api import HFPolicy, evaluate_policy
     policy = HFPolicy(model, tokenizer)
     greedy = asyncio.run(evaluate_policy(cfg, policy, tokenizer, conn, temperature=0.0, samples=1))
     sampled = asyncio.run(evaluate_policy(cfg, policy, tokenizer, conn, temperature=1.0, samples=samples,
@@ -63,13 +62,9 @@ def evaluate(cfg, model, tokenizer, conn, samples: int) -> dict[str, dict[str, A
 
 def run_env(env_id: str, args, conn, log) -> dict[str, Any]:
     from envserve.client import EnvClient
-    from envserve_trainer.cli import _config
-    from envserve_trainer.collect import collect
-    from envserve_trainer.pretrained import load_pretrained
-    from envserve_trainer.sft import SFTTrainer
-    from envserve_trainer.train import Trainer, policy_folder
+    from envserve_trainer.api import SFTTrainer, Trainer, collect, load_config, load_pretrained, policy_folder
 
-    cfg = _config(f"learn_{env_id}.yaml")
+    cfg = load_config(f"learn_{env_id}.yaml")
     out = Path(args.output_dir) / env_id
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -160,7 +155,7 @@ def plot(results: list[dict[str, Any]], out_dir: Path, path: Path) -> Path | Non
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    from envserve_trainer.evaluation import read_metrics
+    from envserve_trainer.api import read_metrics
     fig, axes = plt.subplots(len(results), 2, figsize=(11, 3.6 * len(results)), squeeze=False)
     for row, r in zip(axes, results):
         env = r["env"]
@@ -205,7 +200,7 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from serverproc import ServerProcess
-    from envserve_trainer.train import Connection
+    from envserve_trainer.api import Connection
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()

@@ -12,7 +12,7 @@ Everything comes from the bundled config trainer/envserve_trainer/configs/learn_
                <reasoning>, predict the next state in <prediction>, and move in <answer>
   2. base      the random-weight VLM is evaluated on held-out maps
      perceive  when the config's perception.boards is set (the bundled config sets it): the warm-up
-               of envserve_trainer.perception (the tower learns the cells from GetState, the language
+               of envserve_trainer.rollout.perception (the tower learns the cells from GetState, the language
                model the expert's captions); SFT starts from that model, and the summary gets
                perception_* figures
   3. sft       supervised fine-tuning on the demonstrations (the pictures in the prompts) and the
@@ -74,8 +74,7 @@ NEIGHBOUR = re.compile(r"(below|right of|left of|above) me is (ice|a hole|the go
 def load_config(quick: bool, path: str | None = None):
     """(TrainConfig, the bench section), with the quick run's overrides applied when asked."""
     import yaml
-    from envserve_trainer.cli import BUNDLED_CONFIGS
-    from envserve_trainer.config import BENCH_SECTION, TrainConfig
+    from envserve_trainer.api import BENCH_SECTION, BUNDLED_CONFIGS, TrainConfig
     data = yaml.safe_load((Path(path) if path else BUNDLED_CONFIGS / CONFIG).read_text())
     bench = dict(data.pop(BENCH_SECTION))
     quick_overrides = bench.pop("quick", {})
@@ -90,10 +89,9 @@ def load_config(quick: bool, path: str | None = None):
 async def play(cfg, policy, conn, temperature: float, samples: int) -> tuple[dict[str, Any], float]:
     """(summary, grounding accuracy) of `samples` trials per held-out map. The judge scores each turn's
     <observation> while the sessions are open (it reads their states through the replica)."""
-    from envserve_trainer.evaluation import summarize
-    from envserve_trainer.rollout import RolloutEngine
+    from envserve_trainer.api import RolloutEngine, summarize
     from envserve.client.judge import new_scope
-    from envserve_trainer.train import eval_task_sets, judge_trials
+    from envserve_trainer.api import eval_task_sets, judge_trials
     client, judge = conn.env_client(), conn.judge_client()
     engine = RolloutEngine(client, policy, policy.tokenizer, cfg, seed=cfg.run.seed)
     try:
@@ -245,7 +243,7 @@ def blind_success(client, cfg, plan: list[str]) -> float:
     """Held-out success of playing `plan` on every map without looking: what a policy that ignores
     the picture reaches by answering with the demonstrations' most common moves."""
     from envserve.client.experts import plain_answer, session_settings
-    from envserve_trainer.train import eval_task_sets
+    from envserve_trainer.api import eval_task_sets
     tasks = eval_task_sets(cfg)["held_out"]
     settings = session_settings(client.get_spec(cfg.env.env_id), cfg.env.env_config)
     per_turn = max(1, int(settings["max_actions_per_turn"]))
@@ -270,11 +268,8 @@ def blind_success(client, cfg, plan: list[str]) -> float:
 
 def run(args, cfg, bench: dict[str, Any], conn, log, started: float, save) -> dict[str, Any]:
     from envserve.client import EnvClient
-    from envserve_trainer.collect import collect
-    from envserve_trainer.perception import perceive
-    from envserve_trainer.policy.vision import HFVisionPolicy
-    from envserve_trainer.sft import SFTTrainer
-    from envserve_trainer.train import build_vision_policy_model, policy_folder, vision_codec
+    from envserve_trainer.api import (HFVisionPolicy, SFTTrainer, build_vision_policy_model, collect, perceive,
+                                      policy_folder, vision_codec)
 
     out = Path(args.output_dir)
     if args.from_run and Path(args.from_run).resolve() == out.resolve():
@@ -349,8 +344,7 @@ def run(args, cfg, bench: dict[str, Any], conn, log, started: float, save) -> di
 
 def score(args, cfg, bench: dict[str, Any], conn) -> None:
     """--score: each saved policy evaluated as a run's stages are, printed as one JSON line."""
-    from envserve_trainer.policy.vision import HFVisionPolicy
-    from envserve_trainer.train import build_vision_policy_model, policy_folder, vision_codec
+    from envserve_trainer.api import HFVisionPolicy, build_vision_policy_model, policy_folder, vision_codec
     for checkpoint in args.score:
         scored_cfg = cfg.with_overrides(model={"path": policy_folder(checkpoint), "random_init": ""})
         model, processor = build_vision_policy_model(scored_cfg, args.device, conn)
@@ -386,8 +380,7 @@ def reuse_run(prior_dir: Path, result: dict[str, Any], log) -> tuple[str, float]
     `result["held_out"]` is not the set that run evaluated on (or that run did not record it), its
     evaluations are left out: the caller scores the SFT policy again (evaluate_again). Returns the
     SFT policy's folder and the time its evaluation took."""
-    from envserve_trainer.learner import latest_checkpoint
-    from envserve_trainer.train import policy_folder
+    from envserve_trainer.api import latest_checkpoint, policy_folder
     summary = prior_dir / "summary.json"
     checkpoint = latest_checkpoint(prior_dir / "sft")
     if not summary.is_file() or checkpoint is None:
@@ -423,8 +416,7 @@ def evaluate_again(cfg, sft_policy: str, conn, device: str, samples: int, result
     """The reused SFT policy and the blind plan scored on this run's held-out maps; returns the seconds
     the SFT evaluation took (each RL seed keeps that much of the budget for its own)."""
     from envserve.client import EnvClient
-    from envserve_trainer.policy.vision import HFVisionPolicy
-    from envserve_trainer.train import build_vision_policy_model, vision_codec
+    from envserve_trainer.api import HFVisionPolicy, build_vision_policy_model, vision_codec
     t = time.monotonic()
     sft_cfg = cfg.with_overrides(model={"path": sft_policy, "random_init": ""})
     model, processor = build_vision_policy_model(sft_cfg, device, conn)
@@ -440,7 +432,7 @@ def rl_stages(args, cfg, bench: dict[str, Any], conn, log, started: float, resul
               sft_policy: str, eval_seconds: float, save) -> dict[str, Any]:
     """RL from the SFT policy once per seed, each evaluated; the seeds share what the budget leaves.
     `save(result)` writes the summary so far after each seed."""
-    from envserve_trainer.train import Trainer
+    from envserve_trainer.api import Trainer
     out = Path(args.output_dir)
     samples = int(bench["samples"])
     # A reused run's minutes up to its SFT evaluation count against the budget as if they ran here.
@@ -566,7 +558,7 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from serverproc import JudgeProcess, ServerProcess
-    from envserve_trainer.train import Connection
+    from envserve_trainer.api import Connection
     cfg, bench = load_config(args.quick, args.config)
     started = time.monotonic()
 

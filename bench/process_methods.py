@@ -40,10 +40,9 @@ RUNS = {
 
 
 def run_one(name: str, iterations: int, out: Path, address: str) -> dict:
-    from envserve_trainer.cli import _config
-    from envserve_trainer.train import Connection, Trainer
+    from envserve_trainer.api import Connection, Trainer, load_config
     config, overrides = RUNS[name]
-    cfg = _config(config).with_overrides(**overrides, run={"iterations": iterations, "eval_every": iterations,
+    cfg = load_config(config).with_overrides(**overrides, run={"iterations": iterations, "eval_every": iterations,
                                                             "checkpoint_every": 0, "progress": False})
     t0 = time.monotonic()
     trainer = Trainer(cfg, out / name, Connection(env_address=address))

@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "trainer"))
 
 from envserve.client.aio import AsyncEnvClient  # noqa: E402
-from envserve_trainer.process.montecarlo import MCSettings, StatePoint, estimate, random_valid_policy  # noqa: E402
+from envserve_trainer.api import MCSettings, StatePoint, estimate, random_valid_policy  # noqa: E402
 from serverproc import ServerProcess  # noqa: E402
 
 FORMAT = "no_think"

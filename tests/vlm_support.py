@@ -2,7 +2,7 @@
 (Qwen2VLForConditionalGeneration: vision tower, patch merger, M-RoPE text model) with random
 weights, and its Qwen2VLProcessor, built from configs in code (no weights are downloaded).
 
-The tokenizer is the trainer's grid tokenizer (envserve_trainer.model) with Qwen2-VL's vision
+The tokenizer is the trainer's grid tokenizer (envserve_trainer.models.small) with Qwen2-VL's vision
 tokens added and a chat template that renders image content blocks the way Qwen2-VL's does
 (`<|vision_start|><|image_pad|><|vision_end|>`, which the processor expands to one pad token per
 merged patch). Images are resized into a small pixel budget so a 128 px observation becomes a

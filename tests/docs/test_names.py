@@ -164,8 +164,8 @@ def config_keys() -> set[str]:
     keys = set()
     for env_id in env_ids():
         keys |= set(full_spec(get_env_class(env_id).spec).config_defaults)
-    keys |= _dataclass_fields(["envserve_trainer.config", "envserve_trainer.algo_config",
-                               "envserve_trainer.process.config", "envserve.judge.config",
+    keys |= _dataclass_fields(["envserve_trainer.config.train_config", "envserve_trainer.config.algo",
+                               "envserve_trainer.config.process", "envserve.judge.config",
                                "envserve.judge.llm_judge"])
 
     def walk(node):
@@ -197,7 +197,7 @@ def config_keys() -> set[str]:
 
 @functools.lru_cache(maxsize=None)
 def trainer_sections() -> dict[str, set[str]]:
-    from envserve_trainer.config import TrainConfig
+    from envserve_trainer.config.train_config import TrainConfig
 
     out = {}
     for f in dataclasses.fields(TrainConfig):

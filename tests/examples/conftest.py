@@ -13,7 +13,7 @@ def tiny_model_dir(grid_server, tmp_path_factory) -> str:
     from tokenizers import AddedToken
 
     from envserve.client import EnvClient
-    from envserve_trainer.model import build_small_model, build_tokenizer, corpus_from_envs
+    from envserve_trainer.models.small import build_small_model, build_tokenizer, corpus_from_envs
     with EnvClient(grid_server.address) as c:
         tok = build_tokenizer(corpus_from_envs(c, ["sokoban"], seeds=range(2), steps=3))
     tok.add_tokens([AddedToken(t, special=False, normalized=False)

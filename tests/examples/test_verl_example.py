@@ -124,7 +124,7 @@ def test_verl_composes_validates_and_reads_the_recipe(sokoban, dataset, tmp_path
     from verl.utils.config import validate_config
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
-    from envserve_trainer.model import build_tokenizer
+    from envserve_trainer.models.small import build_tokenizer
     tok = build_tokenizer(["Solve the level. # _ P X O"])
     tok.save_pretrained(tmp_path)
     overrides = [o.replace("/models/tiny", str(tmp_path)) for o in dry_run(sokoban, dataset)]

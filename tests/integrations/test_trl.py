@@ -162,7 +162,7 @@ def tool_calling_tokenizer(address: str, directions: list[str]):
     from tokenizers import AddedToken
     from trl.chat_template_utils import qwen2_5_chat_template
 
-    from envserve_trainer.model import build_tokenizer, corpus_from_envs
+    from envserve_trainer.models.small import build_tokenizer, corpus_from_envs
     with EnvClient(address) as c:
         tok = build_tokenizer(corpus_from_envs(c, ["frozenlake"], seeds=range(2), steps=3))
     calls = ["<tool_call>\n" + json.dumps({"name": "move", "arguments": {"direction": d}}) + "\n</tool_call>"
@@ -177,7 +177,7 @@ def test_grpo_trainer_learns_from_envserve_rewards(grid_server, tmp_path, monkey
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from envserve_trainer.model import build_small_model
+    from envserve_trainer.models.small import build_small_model
 
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     FrozenLake = environment_factory(grid_server.address, "frozenlake")

@@ -171,7 +171,7 @@ def model_dir(grid_server, tmp_path_factory):
     """The trainer's tiny random-weight Qwen2 model and its grid tokenizer, with one added token per
     complete no_think answer (`<answer>Left</answer>`...) and per complete Hermes `move` call, saved
     as a Hugging Face checkpoint."""
-    from envserve_trainer.model import build_small_model
+    from envserve_trainer.models.small import build_small_model
     tok = grid_tokenizer(grid_server.address)
     model = build_small_model(tok, "tiny", seed=0)
     path = tmp_path_factory.mktemp("tiny-qwen2")
@@ -183,7 +183,7 @@ def model_dir(grid_server, tmp_path_factory):
 def grid_tokenizer(address: str):
     from tokenizers import AddedToken
 
-    from envserve_trainer.model import build_tokenizer, corpus_from_envs
+    from envserve_trainer.models.small import build_tokenizer, corpus_from_envs
     with EnvClient(address) as c:
         tok = build_tokenizer(corpus_from_envs(c, ["frozenlake", "sokoban"], seeds=range(2), steps=3))
     tok.add_tokens([AddedToken(t, special=False, normalized=False)

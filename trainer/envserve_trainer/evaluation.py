@@ -46,8 +46,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence, TextIO
 
-from .checks import one_of
-from .trajectory import Episode, Trial
+from .config.checks import one_of
+from .rollout.trajectory import Episode, Trial
 
 SUCCESS_EPISODES = ("last", "first", "any")
 

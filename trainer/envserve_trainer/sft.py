@@ -20,7 +20,7 @@ positions continue from the prefix, so a packed sequence is computed exactly as 
 
 A vision-language policy (model.vision) trains on the same samples with the images each prompt
 holds (the recorded observations' PNGs, placed as the rollout places them), one (prompt, completion)
-per row scored through policy.vision.vision_sequence_logprobs, `micro_batch_rows` samples per forward:
+per row scored through policies.vision.vision_sequence_logprobs, `micro_batch_rows` samples per forward:
 neither turn merging nor packing applies, since the image tokens' positions depend on the whole
 prompt (Qwen2-VL's 3-D rope). Its checkpoints hold the processor, and vision_model.load_vlm reads them.
 
@@ -44,11 +44,11 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from .config import TrainConfig
+from .config.train_config import TrainConfig
 from .evaluation import MetricsLog, Progress, summarize
-from .learner import STATE_FILE, checkpoints, latest_checkpoint
-from .policy.hf import prefix_cache, shared_prefix_length
-from .prompting import ChatLayout
+from .policies.hf import prefix_cache, shared_prefix_length
+from .rollout.prompting import ChatLayout
+from .update.learner import STATE_FILE, checkpoints, latest_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def vision_record_samples(record: dict[str, Any], codec, cfg: TrainConfig,
 
 
 def build_vision_samples(records: Sequence[dict[str, Any]], codec, cfg: TrainConfig) -> list[VisionSample]:
-    from .pretrained import tokenizer_id
+    from .models.pretrained import tokenizer_id
     key = tokenizer_id(codec.tokenizer)
     out = []
     for n, rec in enumerate(records):
@@ -150,7 +150,7 @@ def build_vision_samples(records: Sequence[dict[str, Any]], codec, cfg: TrainCon
 
 
 def build_sequences(records: Sequence[dict[str, Any]], tokenizer, cfg: TrainConfig) -> list[SFTSequence]:
-    from .pretrained import tokenizer_id
+    from .models.pretrained import tokenizer_id
     layout = ChatLayout(tokenizer)
     key = tokenizer_id(tokenizer)
     out = []
@@ -257,7 +257,8 @@ def learning_rate(step: int, total: int, cfg: TrainConfig) -> float:
 class SFTTrainer:
     def __init__(self, cfg: TrainConfig, out_dir: str | Path, data: Sequence[str | Path], connection=None,
                  device: str = "cpu", resume: bool = False):
-        from .train import build_policy_model, build_vision_policy_model, vision_codec
+        from .train import build_policy_model, build_vision_policy_model
+        from .policies.vision import vision_codec
         if cfg.model.backend != "hf":
             raise ValueError("sft trains in process: model.backend must be hf")
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -303,7 +304,7 @@ class SFTTrainer:
 
     def _caption_samples(self, cfg: TrainConfig, connection) -> list[VisionSample]:
         """perception.sft_boards' (view, caption) pairs, gathered through the service."""
-        from .perception import sft_caption_rows
+        from .rollout.perception import sft_caption_rows
         if self.codec is None:
             raise ValueError("perception.sft_boards needs a vision-language policy (model.vision)")
         if connection is None:
@@ -367,7 +368,7 @@ class SFTTrainer:
     def _vision_backward(self, batch: Sequence[VisionSample], total_tokens: int) -> tuple[float, int]:
         """Backward of the summed answer-token cross-entropy over `batch` (divided by `total_tokens`),
         `micro_batch_rows` samples per forward; returns (the summed loss, forwards run)."""
-        from .policy.vision import vision_sequence_logprobs
+        from .policies.vision import vision_sequence_logprobs
         loss_sum, forwards = 0.0, 0
         mb = self.cfg.sft.micro_batch_rows
         for i in range(0, len(batch), mb):
@@ -384,7 +385,7 @@ class SFTTrainer:
     def loss(self, samples: Sequence[VisionSample] | None = None) -> float:
         """Mean answer-token cross-entropy over `samples` (all of the data by default), no gradient
         (a VLM's; what its training steps lower)."""
-        from .policy.vision import vision_sequence_logprobs
+        from .policies.vision import vision_sequence_logprobs
         samples = self.sequences if samples is None else samples
         total, n = 0.0, 0
         was_training = self.model.training
@@ -432,9 +433,9 @@ class SFTTrainer:
 
     def policy(self):
         """The model being trained as a policy (it samples with the current weights)."""
-        from .policy.hf import HFPolicy
+        from .policies.hf import HFPolicy
         if self.codec is not None:
-            from .policy.vision import HFVisionPolicy
+            from .policies.vision import HFVisionPolicy
             return HFVisionPolicy(self.model, self.codec)
         return HFPolicy(self.model, self.tokenizer)
 
@@ -460,7 +461,7 @@ class SFTTrainer:
         return final
 
     def _load(self, path: Path) -> None:
-        from .policy.hf import _load_state
+        from .policies.hf import _load_state
         state = json.loads((path / STATE_FILE).read_text())
         if state.get("sequences") != len(self.sequences):
             raise ValueError(f"{path} was trained on {state.get('sequences')} sequences, this data has "

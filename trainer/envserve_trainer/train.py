@@ -26,13 +26,14 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .config import TrainConfig
-from .distributed import Dist
+from .config.train_config import TrainConfig
 from .evaluation import MetricsLog, Progress, summarize
-from .learner import Learner, finite, latest_checkpoint
-from .rollout import RolloutEngine, Task
-from .samples import build_samples, usable
-from .trajectory import Trial
+from .policies.vision import vision_codec
+from .rollout.engine import RolloutEngine, Task
+from .rollout.trajectory import Trial
+from .samples.build import build_samples, usable
+from .update.distributed import Dist
+from .update.learner import Learner, finite, latest_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def allowed_token_ids(tokenizer, words: Sequence[str], max_new_tokens: int = 2) 
 
 def env_tokenizer(cfg: TrainConfig, connection: "Connection | None"):
     """A random-init policy's tokenizer, built from the training env's texts read through `connection`."""
-    from .model import build_tokenizer, corpus_from_envs
+    from .models.small import build_tokenizer, corpus_from_envs
     if connection is None:
         raise ValueError("model.random_init builds its tokenizer from the env's texts: it needs a connection")
     client = connection.sync_client()
@@ -102,12 +103,12 @@ def env_tokenizer(cfg: TrainConfig, connection: "Connection | None"):
 def build_policy_model(cfg: TrainConfig, device: str, connection: "Connection | None" = None):
     """(model, tokenizer): the configured pretrained model, or with model.random_init a random-weight
     one whose tokenizer is built from the training env's texts, read through `connection`."""
-    from .pretrained import load_pretrained, train_top_layers
+    from .models.pretrained import load_pretrained, train_top_layers
     m = cfg.model
     if not m.random_init:
         model, tok = load_pretrained(m.path, device, m.dtype, m.gguf_file)
     else:
-        from .model import build_small_model
+        from .models.small import build_small_model
         tok = env_tokenizer(cfg, connection)
         model = build_small_model(tok, m.random_init, seed=m.seed).to(device)
     train_top_layers(model, m.trainable_layers)
@@ -117,8 +118,8 @@ def build_policy_model(cfg: TrainConfig, device: str, connection: "Connection | 
 def build_vision_policy_model(cfg: TrainConfig, device: str, connection: "Connection | None" = None):
     """(model, processor) of model.vision's architecture: random weights (model.random_init, the
     tokenizer built from the env's texts as build_policy_model does) or a local folder (model.path)."""
-    from .pretrained import train_top_layers
-    from .vision_model import build_vlm, load_vlm
+    from .models.pretrained import train_top_layers
+    from .models.vision import build_vlm, load_vlm
     m = cfg.model
     if not m.random_init:
         model, processor = load_vlm(m.path, device)
@@ -127,11 +128,6 @@ def build_vision_policy_model(cfg: TrainConfig, device: str, connection: "Connec
         model = model.to(device)
     train_top_layers(model, m.trainable_layers)
     return model, processor
-
-
-def vision_codec(cfg: TrainConfig, processor):
-    from .policy.vision import VisionCodec
-    return VisionCodec(processor, max_images=cfg.rollout.max_images)
 
 
 def task_schedule(cfg: TrainConfig, iteration: int) -> list[Task]:
@@ -208,7 +204,7 @@ class Trainer:
         else:
             model, self.tokenizer = build_policy_model(cfg, self.device, connection)
         self.allowed_ids = allowed_token_ids(self.tokenizer, cfg.rollout.allowed_words, cfg.rollout.max_new_tokens)
-        from .pretrained import load_pretrained, save_model
+        from .models.pretrained import load_pretrained, save_model
         reference = None
         # The DPO family (process.method ipr, rro) compares against a reference even without a KL term.
         if cfg.update.kl_coef > 0 or cfg.process.method in PREFERENCE_METHODS:
@@ -216,7 +212,7 @@ class Trainer:
             # The reference is the starting policy; a resumed run must keep the original one.
             if resume and ref_dir.exists():
                 if self.codec is not None:
-                    from .vision_model import load_vlm
+                    from .models.vision import load_vlm
                     reference, _ = load_vlm(ref_dir, self.device)
                 else:
                     reference, _ = load_pretrained(str(ref_dir), self.device, cfg.model.dtype)
@@ -225,11 +221,11 @@ class Trainer:
                 reference = copy.deepcopy(model)
                 if self.dist.is_main:
                     save_model(ref_dir, reference, self.codec.processor if self.codec else self.tokenizer)
-        from .policy.hf import HFPolicy
-        from .policy.hf import vocabulary_mask
+        from .policies.hf import HFPolicy
+        from .policies.hf import vocabulary_mask
         allowed = vocabulary_mask(self.allowed_ids, int(model.config.get_text_config().vocab_size))
         if self.codec is not None:
-            from .policy.vision import HFVisionPolicy
+            from .policies.vision import HFVisionPolicy
             self.learner = Learner(model, self.tokenizer, cfg, self.dist, reference=reference, codec=self.codec,
                                    allowed=allowed)
             self.policy = HFVisionPolicy(self.learner.rollout_model, self.codec, allowed_token_ids=self.allowed_ids)
@@ -252,7 +248,7 @@ class Trainer:
         """The configured process-reward method (process/training.py), or None."""
         if not self.cfg.process.method:
             return None
-        from .process.training import build_method
+        from .process_training import build_method
         needs_client = self.cfg.process.method in ("inverse_prm", "ipr") and not self.cfg.process.demos
         client = self.connection.sync_client() if needs_client else None
         try:
@@ -304,13 +300,13 @@ class Trainer:
                 tasks = self.dist.shard(task_schedule(cfg, it))
                 method_ctx = None
                 if self.process is not None and self.process.collects:
-                    from .process.training import Context
+                    from .process_training import Context
                     method_ctx = Context(client, self.policy, engine.system_prompt, it, engine.admissible)
                 trials, timing, process = await self._collect(engine, judge, tasks, cfg.rollout.group_size, it,
                                                               method_ctx=method_ctx)
                 pairs = None
                 if self.process is not None and method_ctx is None:
-                    from .process.training import Context
+                    from .process_training import Context
                     t_process = time.monotonic()
                     ctx = Context(client, self.policy, engine.system_prompt, it, engine.admissible)
                     if self.process.preference:
@@ -427,15 +423,15 @@ async def evaluate_checkpoint(cfg: TrainConfig, checkpoint: str | Path | None, c
     """Evaluate a saved policy, the config's model (no checkpoint), or a given policy (e.g. the
     openai backend) on the configured tasks."""
     if policy is None and cfg.model.vision:
-        from .policy.vision import HFVisionPolicy
-        from .vision_model import load_vlm
+        from .policies.vision import HFVisionPolicy
+        from .models.vision import load_vlm
         model, processor = load_vlm(policy_folder(checkpoint) if checkpoint else cfg.model.path, device)
         policy = HFVisionPolicy(model, vision_codec(cfg, processor), allowed_token_ids=allowed_token_ids(
             processor.tokenizer, cfg.rollout.allowed_words, cfg.rollout.max_new_tokens))
         tokenizer = processor.tokenizer
     if policy is None:
-        from .pretrained import load_pretrained
-        from .policy.hf import HFPolicy
+        from .models.pretrained import load_pretrained
+        from .policies.hf import HFPolicy
         model, tokenizer = load_pretrained(policy_folder(checkpoint) if checkpoint else cfg.model.path, device,
                                            cfg.model.dtype, "" if checkpoint else cfg.model.gguf_file)
         policy = HFPolicy(model, tokenizer, allowed_token_ids=allowed_token_ids(tokenizer, cfg.rollout.allowed_words,

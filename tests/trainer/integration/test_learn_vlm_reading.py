@@ -87,8 +87,8 @@ def test_score_evaluates_a_saved_policy_on_the_held_out_maps(tmp_path):
 
     import yaml
 
-    from envserve_trainer.cli import BUNDLED_CONFIGS
-    from envserve_trainer.vision_model import build_vlm
+    from envserve_trainer.config.loading import BUNDLED_CONFIGS
+    from envserve_trainer.models.vision import build_vlm
     model, processor = build_vlm("qwen2_vl", seed=2)
     folder = tmp_path / "policy"
     model.save_pretrained(folder)

@@ -17,8 +17,8 @@ from envserve.client.aio import AsyncEnvClient
 from envserve.directory import open_directory, replica_of
 from envserve.v1 import envserve_pb2 as pb
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
-from envserve_trainer.process.montecarlo import (MCSettings, StatePoint, discounted, estimate, prefix_points,
-                                                 random_valid_policy)
+from envserve_trainer.methods.process.montecarlo import (MCSettings, StatePoint, discounted, estimate, prefix_points,
+                                                         random_valid_policy)
 from serverproc import RedisProcess, ServerProcess
 
 MOVES = ("Left", "Down", "Right", "Up")
@@ -312,9 +312,9 @@ def test_a_replica_killed_mid_estimate_fails_its_states_only():
 def test_a_trainer_policy_backend_rolls_out_and_fork_and_replay_agree(server, grid_tokenizer):
     """chat_policy over the trainer's HF backend (a tiny random model restricted to the four
     moves), greedy so that the same observation gives the same move in a fork and a replay."""
-    from envserve_trainer.model import build_small_model
-    from envserve_trainer.policy.hf import HFPolicy
-    from envserve_trainer.process.montecarlo import chat_policy
+    from envserve_trainer.models.small import build_small_model
+    from envserve_trainer.policies.hf import HFPolicy
+    from envserve_trainer.methods.process.montecarlo import chat_policy
 
     tok = grid_tokenizer
     ids = [tok.convert_tokens_to_ids(w) for w in MOVES]

@@ -1,4 +1,4 @@
-"""The perception warm-up (envserve_trainer.perception) through a real server, with a tiny
+"""The perception warm-up (envserve_trainer.rollout.perception) through a real server, with a tiny
 random-weight Qwen2-VL: each view is an observation's PNG with its GetState, the same seeds give the
 same views, the vision tower learns to read each token's cell and the cells beside it on boards it
 never saw, the language model learns the expert's captions, and the misfits (image tokens that do
@@ -12,11 +12,12 @@ import torch
 
 from envserve.client import EnvClient
 from envserve.client.experts import FrozenLakeNeighbourExpert
-from envserve_trainer.config import TrainConfig
-from envserve_trainer.perception import (EDGE, SLOTS, captioner, cell_labels, gather_views, perceive,
-                                         train_vision)
-from envserve_trainer.train import Connection, build_vision_policy_model, vision_codec
-from envserve_trainer.vision_model import load_vlm
+from envserve_trainer.config.train_config import TrainConfig
+from envserve_trainer.rollout.perception import (EDGE, SLOTS, captioner, cell_labels, gather_views, perceive,
+                                                 train_vision)
+from envserve_trainer.train import Connection, build_vision_policy_model
+from envserve_trainer.policies.vision import vision_codec
+from envserve_trainer.models.vision import load_vlm
 
 ENV_CONFIG = {"size": 4, "render_image": True, "image_only": True, "image_size": 112}   # a token a cell
 CONFIG = {

@@ -19,14 +19,14 @@ from serverproc import ServerProcess
 from envserve.client import AsyncEnvClient
 from envserve.v1 import envserve_pb2 as pb
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
-from envserve_trainer.config import TrainConfig
-from envserve_trainer.model import weights_digest
-from envserve_trainer.policy.hf import HFPolicy
-from envserve_trainer.process.branching import (BRANCH, INDEPENDENT, INITIAL, BranchingRollout, TaskBudget,
+from envserve_trainer.config.train_config import TrainConfig
+from envserve_trainer.models.small import weights_digest
+from envserve_trainer.policies.hf import HFPolicy
+from envserve_trainer.rollout.branching import (BRANCH, INDEPENDENT, INITIAL, BranchingRollout, TaskBudget,
                                                 fork_builder, support_size)
-from envserve_trainer.process.training import build_method
-from envserve_trainer.prompting import ChatLayout, ContextBuilder
-from envserve_trainer.rollout import Task
+from envserve_trainer.process_training import build_method
+from envserve_trainer.rollout.prompting import ChatLayout, ContextBuilder
+from envserve_trainer.rollout.engine import Task
 from envserve_trainer.train import Connection, allowed_token_ids, build_policy_model
 
 from test_training_e2e import FROZENLAKE_GRPO, run_training  # noqa: E402  (same folder: the e2e test's small run)

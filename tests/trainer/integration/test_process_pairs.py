@@ -14,11 +14,11 @@ from envserve.client import EnvClient
 from envserve.client.aio import AsyncEnvClient
 from envserve.v1 import envserve_pb2 as pb
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
-from envserve_trainer.config import TrainConfig
-from envserve_trainer.model import build_small_model, build_tokenizer, corpus_from_envs
-from envserve_trainer.policy.hf import HFPolicy
-from envserve_trainer.process.training import Context, build_method, spaced
-from envserve_trainer.rollout import RolloutEngine, Task
+from envserve_trainer.config.train_config import TrainConfig
+from envserve_trainer.models.small import build_small_model, build_tokenizer, corpus_from_envs
+from envserve_trainer.policies.hf import HFPolicy
+from envserve_trainer.process_training import Context, build_method, spaced
+from envserve_trainer.rollout.engine import RolloutEngine, Task
 
 ENVS = {
     # Sokoban: the planner's pushes, one action a turn (as the tiny model writes one).

@@ -11,11 +11,11 @@ from serverproc import ServerProcess
 
 from envserve.v1 import envserve_pb2 as pb
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
-from envserve_trainer.config import TrainConfig
-from envserve_trainer.model import weights_digest
-from envserve_trainer.process.training import ProgRM, action_key, transitions
+from envserve_trainer.config.train_config import TrainConfig
+from envserve_trainer.models.small import weights_digest
+from envserve_trainer.process_training import ProgRM, action_key, transitions
 from envserve_trainer.train import Connection
-from envserve_trainer.trajectory import Episode, Turn
+from envserve_trainer.rollout.trajectory import Episode, Turn
 
 from test_training_e2e import FROZENLAKE_GRPO, run_training  # noqa: E402  (same folder: the e2e test's small run)
 
@@ -172,9 +172,9 @@ def test_rro_searches_until_the_reward_rises_and_closes_its_sessions(server, tmp
 
 
 def test_preference_update_moves_the_policy_towards_the_chosen_side(server, tmp_path):
-    from envserve_trainer.learner import Learner
-    from envserve_trainer.distributed import Dist
-    from envserve_trainer.process.dpo import PreferencePair, side_logprobs
+    from envserve_trainer.update.learner import Learner
+    from envserve_trainer.update.distributed import Dist
+    from envserve_trainer.update.losses import PreferencePair, side_logprobs
     from envserve_trainer.train import build_policy_model
     import copy
     cfg = _cfg(update={"lr": 3e-3, "micro_batch_size": 8, "kl_coef": 0.0, "epochs": 8})

@@ -8,11 +8,11 @@ import pytest
 from serverproc import ServerProcess
 
 from envserve.client.aio import AsyncEnvClient
-from envserve_trainer.config import TrainConfig
-from envserve_trainer.model import build_small_model
-from envserve_trainer.policy.hf import HFPolicy
-from envserve_trainer.prompting import MEMORY_HEADER
-from envserve_trainer.rollout import RolloutEngine, Task
+from envserve_trainer.config.train_config import TrainConfig
+from envserve_trainer.models.small import build_small_model
+from envserve_trainer.policies.hf import HFPolicy
+from envserve_trainer.rollout.prompting import MEMORY_HEADER
+from envserve_trainer.rollout.engine import RolloutEngine, Task
 
 
 @pytest.fixture(scope="module")

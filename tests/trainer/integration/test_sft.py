@@ -8,9 +8,9 @@ import torch
 
 from envserve.client import EnvClient
 from envserve_trainer.collect import collect
-from envserve_trainer.config import TrainConfig
-from envserve_trainer.model import build_small_model, weights_digest
-from envserve_trainer.policy.hf import sequence_logprobs
+from envserve_trainer.config.train_config import TrainConfig
+from envserve_trainer.models.small import build_small_model, weights_digest
+from envserve_trainer.policies.hf import sequence_logprobs
 from envserve_trainer.sft import (SFTTrainer, build_sequences, group_prefixes, merge_turns, pack,
                                   packed_loss_sum, read_demos)
 from envserve_trainer.train import Connection

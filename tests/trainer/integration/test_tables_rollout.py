@@ -13,10 +13,10 @@ from serverproc import ServerProcess  # noqa: E402
 
 from envserve.client import EnvClient  # noqa: E402
 from envserve.client.aio import AsyncEnvClient  # noqa: E402
-from envserve_trainer.config import TrainConfig  # noqa: E402
-from envserve_trainer.model import build_small_model, build_tokenizer  # noqa: E402
-from envserve_trainer.policy.hf import HFPolicy  # noqa: E402
-from envserve_trainer.rollout import RolloutEngine, Task  # noqa: E402
+from envserve_trainer.config.train_config import TrainConfig  # noqa: E402
+from envserve_trainer.models.small import build_small_model, build_tokenizer  # noqa: E402
+from envserve_trainer.policies.hf import HFPolicy  # noqa: E402
+from envserve_trainer.rollout.engine import RolloutEngine, Task  # noqa: E402
 
 TTT = "textarena:TicTacToe-v0"
 CELLS = [str(k) for k in range(9)]

@@ -15,10 +15,10 @@ import torch
 
 from serverproc import ServerProcess
 
-from envserve_trainer.config import TrainConfig
-from envserve_trainer.learner import checkpoints, latest_checkpoint
-from envserve_trainer.model import weights_digest
-from envserve_trainer.pretrained import load_pretrained
+from envserve_trainer.config.train_config import TrainConfig
+from envserve_trainer.update.learner import checkpoints, latest_checkpoint
+from envserve_trainer.models.small import weights_digest
+from envserve_trainer.models.pretrained import load_pretrained
 from envserve_trainer.train import Connection, Trainer
 
 ROOT = Path(__file__).resolve().parents[3]

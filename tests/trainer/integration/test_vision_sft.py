@@ -12,11 +12,12 @@ import torch
 
 from envserve.client import EnvClient
 from envserve_trainer.collect import collect, episode_samples_with_images, load_records, turn_images
-from envserve_trainer.config import TrainConfig
-from envserve_trainer.model import weights_digest
-from envserve_trainer.prompting import ChatLayout
+from envserve_trainer.config.train_config import TrainConfig
+from envserve_trainer.models.small import weights_digest
+from envserve_trainer.rollout.prompting import ChatLayout
 from envserve_trainer.sft import SFTTrainer, read_demos
-from envserve_trainer.train import Connection, build_vision_policy_model, vision_codec
+from envserve_trainer.train import Connection, build_vision_policy_model
+from envserve_trainer.policies.vision import vision_codec
 
 ENV_CONFIG = {"size": 4, "render_image": True, "image_only": True, "image_size": 48}
 CONFIG = {
@@ -100,7 +101,7 @@ def test_sft_on_image_demonstrations_lowers_the_loss(grid_server, vlm_demos, tmp
     assert len(records) == trainer.total_steps
     assert after < 0.6 * before, (before, after)
     # The checkpoint is a VLM folder (weights and processor) that reloads to the trained weights.
-    from envserve_trainer.vision_model import load_vlm
+    from envserve_trainer.models.vision import load_vlm
     model, processor = load_vlm(tmp_path / f"checkpoint-{trainer.total_steps}" / "policy")
     assert weights_digest(model) == weights_digest(trainer.model)
     assert processor.tokenizer.get_vocab() == trainer.tokenizer.get_vocab()
@@ -132,7 +133,7 @@ def test_sft_on_image_demonstrations_resumes_exactly(grid_server, vlm_demos, tmp
 
 
 def test_perception_captions_train_beside_the_demonstrations(grid_server, vlm_demos, tmp_path):
-    from envserve_trainer.perception import captioner, gather_views
+    from envserve_trainer.rollout.perception import captioner, gather_views
     path, codec = vlm_demos
     conn = Connection(env_address=grid_server.address)
     perception = {"captions": "frozenlake_neighbours", "sft_boards": 3, "moves": 3}
@@ -192,7 +193,7 @@ def test_a_missing_or_corrupt_picture_is_an_error_naming_its_line(vlm_demos, tmp
 
 def test_cli_collects_pictured_demonstrations_for_a_saved_vlm(grid_server, tmp_path, capsys):
     from envserve_trainer.cli import main
-    from envserve_trainer.vision_model import build_vlm
+    from envserve_trainer.models.vision import build_vlm
     model, processor = build_vlm("qwen2_vl", seed=2)
     folder = tmp_path / "vlm"
     model.save_pretrained(folder)

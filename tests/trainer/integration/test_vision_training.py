@@ -13,10 +13,10 @@ import torch
 from serverproc import JudgeProcess, ServerProcess
 
 from envserve.client import EnvClient
-from envserve_trainer.config import TrainConfig
-from envserve_trainer.learner import latest_checkpoint
-from envserve_trainer.model import weights_digest
-from envserve_trainer.rollout import RolloutEngine, Task
+from envserve_trainer.config.train_config import TrainConfig
+from envserve_trainer.update.learner import latest_checkpoint
+from envserve_trainer.models.small import weights_digest
+from envserve_trainer.rollout.engine import RolloutEngine, Task
 from envserve_trainer.train import Connection, Trainer
 
 MOVES = ["Left", "Down", "Right", "Up"]
@@ -88,15 +88,15 @@ def test_a_vagen_iteration_trains_a_vlm_on_an_image_only_grid(server, tmp_path, 
     # Every turn's <observation> and <prediction> went to the judge and came back scored.
     assert record["timing"]["judged_items"] > 0
     # The checkpoint is a VLM folder that reloads to the trained weights.
-    from envserve_trainer.vision_model import load_vlm
+    from envserve_trainer.models.vision import load_vlm
     model, processor = load_vlm(latest_checkpoint(tmp_path) / "policy")
     assert weights_digest(model) == weights_digest(trainer.learner.model)
 
 
 def test_the_policy_reads_exactly_the_pngs_the_replica_sent(server):
     from envserve.client import AsyncEnvClient
-    from envserve_trainer.policy.vision import HFVisionPolicy, VisionCodec
-    from envserve_trainer.vision_model import build_vlm
+    from envserve_trainer.policies.vision import HFVisionPolicy, VisionCodec
+    from envserve_trainer.models.vision import build_vlm
 
     cfg = _cfg(rollout={**VAGEN["rollout"], "max_turns": 4, "history_turns": 3, "max_images": 2})
     model, processor = build_vlm("qwen2_vl", seed=1)
@@ -131,8 +131,8 @@ def test_an_image_only_observation_without_its_image_ends_the_trial_with_a_clear
     """A text-only session under an image-only config (the replica sends no picture): the trial is
     dropped with the reason, the rollout goes on."""
     from envserve.client import AsyncEnvClient
-    from envserve_trainer.policy.vision import HFVisionPolicy, VisionCodec
-    from envserve_trainer.vision_model import build_vlm
+    from envserve_trainer.policies.vision import HFVisionPolicy, VisionCodec
+    from envserve_trainer.models.vision import build_vlm
 
     cfg = _cfg()
     model, processor = build_vlm("qwen2_vl", seed=1)

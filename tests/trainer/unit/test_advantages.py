@@ -10,10 +10,13 @@ import math
 import numpy as np
 import pytest
 
-from envserve_trainer.advantages import (bilevel_gae, discounted_returns, gigpo_advantages, group_normalize,
-                                         grpo_advantages, grpo_mr_advantages, lamer_advantages, lamer_returns,
-                                         masked_gae, turn_spans)
-from envserve_trainer.algo_config import AdvantageConfig
+from envserve_trainer.methods.gae import bilevel_gae, masked_gae, turn_spans
+from envserve_trainer.methods.common import discounted_returns, group_normalize
+from envserve_trainer.methods.gigpo import gigpo_advantages
+from envserve_trainer.methods.grpo import grpo_advantages
+from envserve_trainer.methods.grpo_mr import grpo_mr_advantages
+from envserve_trainer.methods.lamer import lamer_advantages, lamer_returns
+from envserve_trainer.config.algo import AdvantageConfig
 
 R3 = 1 / math.sqrt(3)
 R2 = 1 / math.sqrt(2)
@@ -333,7 +336,7 @@ def test_config_defaults_and_from_mapping():
 
 
 def test_reinforce_pp_normalises_step_returns_over_the_whole_batch():
-    from envserve_trainer.advantages import reinforce_pp_advantages
+    from envserve_trainer.methods.reinforce_pp import reinforce_pp_advantages
     # Returns-to-go with gamma 0.5: [1, 0] -> [1, 0]; [0, 0, 4] -> [1, 2, 4]. Pooled: 0, 1, 1, 2, 4,
     # mean 1.6, sample std sqrt(((1.6^2 + 0.6^2 * 2 + 0.4^2 + 2.4^2) / 4) = sqrt(2.3).
     a = reinforce_pp_advantages([[1.0, 0.0], [0.0, 0.0, 4.0]], gamma=0.5, cfg=AdvantageConfig(eps=0.0))

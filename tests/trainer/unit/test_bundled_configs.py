@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from envserve_trainer.cli import BUNDLED_CONFIGS
-from envserve_trainer.config import TrainConfig
+from envserve_trainer.config.loading import BUNDLED_CONFIGS
+from envserve_trainer.config.train_config import TrainConfig
 
 
 @pytest.mark.parametrize("path", sorted(BUNDLED_CONFIGS.glob("*.yaml")), ids=lambda p: p.name)

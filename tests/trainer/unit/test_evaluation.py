@@ -14,7 +14,7 @@ from envserve_trainer.evaluation import (EvalConfig, MetricsLog, Progress, entro
                                          mean_turns, pass_at_k_episodes, pass_at_k_unbiased, read_metrics,
                                          repeated_turns, repetitive_action_rate, success_by_episode, success_rate,
                                          summarize, tqdm_available, trajectory_diversity)
-from envserve_trainer.trajectory import Episode, Trial, Turn
+from envserve_trainer.rollout.trajectory import Episode, Trial, Turn
 
 
 def turn(action="a", valid=True, reward=0.0, success=False, anchor="", parsed=None, i=0):

@@ -7,9 +7,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-from envserve_trainer.policy.hf import HFPolicy  # noqa: E402
-from envserve_trainer.pretrained import (ModelSource, file_digest, load_pretrained, load_tokenizer,  # noqa: E402
-                                         local_folder, resolve_source, save_model, tokenizer_id)
+from envserve_trainer.policies.hf import HFPolicy  # noqa: E402
+from envserve_trainer.models.pretrained import (ModelSource, file_digest, load_pretrained, load_tokenizer, local_folder,
+                                                resolve_source, save_model, tokenizer_id)
 
 FROZEN = [{"role": "system", "content": "You are playing FrozenLake. Answer with <answer>Left</answer>, "
                                         "<answer>Down</answer>, <answer>Right</answer> or <answer>Up</answer>."},
@@ -84,7 +84,7 @@ def test_what_is_not_a_model_is_a_clear_error(tmp_path):
 def test_smolvlm_shaped_model_starts_from_smollm2(smollm2):
     # SmolVLM is Idefics3 over SmolLM2: build_vlm's text_model puts SmolLM2's weights on the text
     # side, so a text-only prompt gets SmolLM2's own logits (the added image tokens aside).
-    from envserve_trainer.vision_model import build_vlm
+    from envserve_trainer.models.vision import build_vlm
     model, tok = smollm2
     vlm, processor = build_vlm("idefics3", tokenizer=tok, text_model=model)
     assert len(processor.tokenizer) > len(tok) and vlm.config.tie_word_embeddings

@@ -1,4 +1,4 @@
-"""The process-reward methods' formulas (envserve_trainer.process) against numbers worked by hand.
+"""The process-reward methods' formulas (envserve_trainer.methods.process) against numbers worked by hand.
 
 Every expected value is computed in a comment from the formula in the module's docstring, never by
 calling the function under test. sigma(x) = 1 / (1 + e^-x); -log sigma(x) = log(1 + e^-x).
@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from envserve_trainer.advantages import grpo_advantages
-from envserve_trainer.process import agentprm, arpo, dpo, inverse_prm, ipr, progrm, rro
-from envserve_trainer.process.config import (AgentPRMConfig, ARPOConfig, DPOConfig, InversePRMConfig, IPRConfig,
+from envserve_trainer.methods.grpo import grpo_advantages
+from envserve_trainer.methods.process import agentprm, arpo, dpo, inverse_prm, ipr, progrm, rro
+from envserve_trainer.config.process import (AgentPRMConfig, ARPOConfig, DPOConfig, InversePRMConfig, IPRConfig,
                                              ProgRMConfig, RROConfig)
-from envserve_trainer.process.dpo import ScoredTokens
+from envserve_trainer.methods.process.dpo import ScoredTokens
+from envserve_trainer.update.losses import score_pairs
 
 
 def softplus(x: float) -> float:
@@ -274,11 +275,11 @@ def _tiny_model(seed: int):
 
 
 def test_score_pairs_uses_the_learners_logprobs_and_action_masks():
-    from envserve_trainer.policy.hf import sequence_logprobs
+    from envserve_trainer.policies.hf import sequence_logprobs
     model, reference = _tiny_model(0), _tiny_model(1)
     prompts, chosen, rejected = [[1, 2, 3], [4, 5]], [[6, 7, 8], [9]], [[10, 11], [6, 7, 8, 9]]
     # The second chosen row's only token and the rejected rows' second tokens are observations (mask 0).
-    c, r = dpo.score_pairs(model, reference, prompts, chosen, rejected, chosen_action_masks=[[1, 1, 1], [0]],
+    c, r = score_pairs(model, reference, prompts, chosen, rejected, chosen_action_masks=[[1, 1, 1], [0]],
                            rejected_action_masks=[[1, 0], [1, 0, 1, 1]], pad_token_id=0)
     with torch.no_grad():
         want_c, _ = sequence_logprobs(model, prompts, chosen, pad_token_id=0)
@@ -293,7 +294,7 @@ def test_score_pairs_uses_the_learners_logprobs_and_action_masks():
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
     assert all(p.grad is None for p in reference.parameters())
     with pytest.raises(ValueError):
-        dpo.score_pairs(model, reference, prompts, chosen, rejected, chosen_action_masks=[[1, 1], [1]])
+        score_pairs(model, reference, prompts, chosen, rejected, chosen_action_masks=[[1, 1], [1]])
 
 
 # -- IPR ------------------------------------------------------------------------------------------------

@@ -4,11 +4,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from envserve_trainer.config import TrainConfig
-from envserve_trainer.prompting import ChatLayout, ContextBuilder
-from envserve_trainer.rollout import remark_of, turn_seed
-from envserve_trainer.samples import build_samples, turn_reward
-from envserve_trainer.trajectory import Episode, Trial, Turn
+from envserve_trainer.config.train_config import TrainConfig
+from envserve_trainer.rollout.prompting import ChatLayout, ContextBuilder
+from envserve_trainer.rollout.engine import remark_of, turn_seed
+from envserve_trainer.samples.build import build_samples, turn_reward
+from envserve_trainer.rollout.trajectory import Episode, Trial, Turn
 
 
 @pytest.fixture(scope="module")

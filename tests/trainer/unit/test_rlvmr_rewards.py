@@ -6,9 +6,10 @@ import math
 import numpy as np
 import pytest
 
-from envserve_trainer.advantages import grpo_mr_advantages
-from envserve_trainer.algo_config import RewardConfig
-from envserve_trainer.rewards import MetaStep, reasoning_reward, rlvmr_rewards, step_reward
+from envserve_trainer.methods.grpo_mr import grpo_mr_advantages
+from envserve_trainer.config.algo import RewardConfig
+from envserve_trainer.methods.grpo_mr import MetaStep, rlvmr_rewards
+from envserve_trainer.methods.rewards import reasoning_reward, step_reward
 
 
 def ok(tag, action="a", transition=""):

@@ -13,11 +13,11 @@ pytest.importorskip("tokenizers")
 
 from envserve.core.session import Session  # noqa: E402  (tests may read the envs directly)
 from envserve.client import EnvClient  # noqa: E402
-from envserve_trainer.model import (IM_END, IM_START, TAGS, build_small_model, build_tokenizer,  # noqa: E402
-                                    corpus_from_envs, count_parameters, vocabulary_words, weights_digest)
-from envserve_trainer.pretrained import load_pretrained, save_model  # noqa: E402
-from envserve_trainer.policy import Generation, Policy  # noqa: E402
-from envserve_trainer.policy.hf import HFPolicy, nucleus, sequence_logprobs  # noqa: E402
+from envserve_trainer.models.small import (IM_END, IM_START, TAGS, build_small_model, build_tokenizer, corpus_from_envs,
+                                           count_parameters, vocabulary_words, weights_digest)
+from envserve_trainer.models.pretrained import load_pretrained, save_model  # noqa: E402
+from envserve_trainer.policies import Generation, Policy  # noqa: E402
+from envserve_trainer.policies.hf import HFPolicy, nucleus, sequence_logprobs  # noqa: E402
 
 SOKOBAN_PROMPT = [{"role": "system", "content": "You are playing Sokoban."},
                   {"role": "user", "content": "######\n#PX_O#\n######"}]
@@ -335,7 +335,7 @@ def _long_prompts(tok) -> list[list[int]]:
 
 
 def test_shared_prefix_length_stops_where_prompts_differ_and_keeps_a_token_each(tok):
-    from envserve_trainer.policy.hf import MIN_SHARED_PREFIX, shared_prefix_length
+    from envserve_trainer.policies.hf import MIN_SHARED_PREFIX, shared_prefix_length
     prompts = _long_prompts(tok)
     n = shared_prefix_length(prompts)
     assert n >= MIN_SHARED_PREFIX

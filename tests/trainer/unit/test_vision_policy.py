@@ -13,12 +13,12 @@ from PIL import Image  # noqa: E402
 
 from envserve.core.session import Session  # noqa: E402  (tests may read the envs directly)
 from envserve.server.convert import png_bytes  # noqa: E402  (the bytes the server sends)
-from envserve_trainer.model import build_small_model, build_tokenizer, weights_digest  # noqa: E402
-from envserve_trainer.policy import HFVisionPolicy as LazyHFVisionPolicy  # noqa: E402
-from envserve_trainer.policy.vision import (HFVisionPolicy, VisionCodec, VisionError, decode_png,  # noqa: E402
-                                            keep_last_images, vision_sequence_logprobs)
-from envserve_trainer.prompting import ChatLayout  # noqa: E402
-from envserve_trainer.vision_model import DEFAULT_CORPUS, build_vlm, load_vlm  # noqa: E402
+from envserve_trainer.models.small import build_small_model, build_tokenizer, weights_digest  # noqa: E402
+from envserve_trainer.policies import HFVisionPolicy as LazyHFVisionPolicy  # noqa: E402
+from envserve_trainer.policies.vision import (HFVisionPolicy, VisionCodec, VisionError, decode_png, keep_last_images,
+                                              vision_sequence_logprobs)
+from envserve_trainer.rollout.prompting import ChatLayout  # noqa: E402
+from envserve_trainer.models.vision import DEFAULT_CORPUS, build_vlm, load_vlm  # noqa: E402
 
 ARCHS = ["qwen2_vl", "idefics3"]
 

@@ -148,7 +148,7 @@ class FrozenLakeNeighbourExpert(FrozenLakeExpert):
     def surroundings(self, state: Mapping[str, Any]) -> str:
         """What the expert's answers say first: the four cells around the player, e.g. "Below me is
         a hole, right of me is ice, left of me is the edge, above me is the edge" (also the caption a
-        vision tower learns to read before SFT: envserve_trainer.perception)."""
+        vision tower learns to read before SFT: envserve_trainer.rollout.perception)."""
         _, seen = self._around(state)
         facts = ", ".join(f"{AROUND[m]} is {seen(m)}" for m in NEIGHBOUR_ORDER)
         return f"{facts[0].upper()}{facts[1:]}"
