@@ -13,21 +13,7 @@ import httpx
 import pytest
 
 from envserve.client.http_retry import Counters, RetryPolicy, post_with_retries
-from test_llm_judge_retries import YES, ScriptedEndpointDouble, error
-
-
-@pytest.fixture
-def endpoint():
-    doubles = []
-
-    def make(script, default=None):
-        d = ScriptedEndpointDouble(script, default)
-        doubles.append(d)
-        return d
-
-    yield make
-    for d in doubles:
-        d.close()
+from test_llm_judge_retries import YES, endpoint, error  # noqa: F401  (endpoint: the loopback double fixture)
 
 
 def post(url: str, policy: RetryPolicy, rng: random.Random | None = None, counters: Counters | None = None,
