@@ -77,7 +77,7 @@ run: $(VENV)/.installed-grid
 test: install $(VULKAN_DRIVER)
 	$(PY) -m pytest --durations=30 $(PYTEST_ARGS)
 
-# The fast tier, for before every commit (about 4 minutes on 2 cores): unit tests with the import
+# The fast tier, for before every commit (about 5 minutes on 2 cores): unit tests with the import
 # arrows, the docs' names and wording, and the conformance suite once per environment (one seed, on
 # worker processes; `make test` adds the other seeds and the inline replica).
 CHECK_SUITES ?= tests/unit tests/docs/test_names.py tests/docs/test_wording.py tests/conformance

@@ -54,6 +54,18 @@ def pytest_generate_tests(metafunc):
                              ids=[e if mode == "workers" else f"{e}-inline" for mode, e in cases])
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    """The cases of one serving mode run together, in the order they were shuffled into: the servers
+    of a mode start when its first case runs and stop when a case of the other mode comes, so each
+    switch of mode would start two replicas of every env again."""
+    slots = [i for i, item in enumerate(items)
+             if "serving_mode" in getattr(getattr(item, "callspec", None), "params", {})]
+    ordered = sorted((items[i] for i in slots), key=lambda item: item.callspec.params["serving_mode"] != "workers")
+    for i, item in zip(slots, ordered):
+        items[i] = item
+
+
 @pytest.fixture(scope="session")
 def conformance_addresses(serving_mode):
     given = os.environ.get("ENVSERVE_CONFORMANCE_ADDRESSES")
