@@ -104,14 +104,7 @@ def stage_of(module: str) -> str:
 def violations(part: str, source: str, module: str, is_package: bool = False) -> list[str]:
     if part in ROOTS:
         return []
-    allowed = ALLOWED.get(part)
-    if allowed is None:
-        return [f"{module}: part {part!r} has no arrows declared"]
-    bad = []
-    for line, target in imported_modules(source, module, is_package):
-        to = part_of(target)
-        if to and to != part and to not in allowed:
-            bad.append(f"{module}:{line} imports {target} ({part} -> {to})")
+    bad = arrow_violations(source, module, is_package, part, ALLOWED, part_of, "part")
     if part == "trainer":
         bad += trainer_violations(source, module, is_package)
     return bad
@@ -119,15 +112,21 @@ def violations(part: str, source: str, module: str, is_package: bool = False) ->
 
 def trainer_violations(source: str, module: str, is_package: bool = False) -> list[str]:
     """The trainer's own arrows: an import of another stage that TRAINER_ALLOWED does not list."""
-    stage = stage_of(module)
-    allowed = TRAINER_ALLOWED.get(stage)
+    return arrow_violations(source, module, is_package, stage_of(module), TRAINER_ALLOWED, stage_of, "stage")
+
+
+def arrow_violations(source: str, module: str, is_package: bool, here: str, table: dict[str, set[str]],
+                     where, kind: str) -> list[str]:
+    """Imports of `source` (module `module`, in `here`) landing in a place `table[here]` does not list;
+    `where` names the place of a module ("" outside the table's world)."""
+    allowed = table.get(here)
     if allowed is None:
-        return [f"{module}: stage {stage!r} has no arrows declared"]
+        return [f"{module}: {kind} {here!r} has no arrows declared"]
     bad = []
     for line, target in imported_modules(source, module, is_package):
-        to = stage_of(target)
-        if to and to != stage and to not in allowed:
-            bad.append(f"{module}:{line} imports {target} ({stage} -> {to})")
+        to = where(target)
+        if to and to != here and to not in allowed:
+            bad.append(f"{module}:{line} imports {target} ({here} -> {to})")
     return bad
 
 
