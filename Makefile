@@ -73,16 +73,21 @@ install: $(VENV)/.installed
 run: $(VENV)/.installed-grid
 	$(VENV)/bin/envserve demo
 
+# Test processes side by side (pytest-xdist): one per logical core, at most 4, each taking a whole
+# module at a time so a module's servers start once (tests/conftest.py). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= logical
+XDIST = -n $(TEST_WORKERS) --maxprocesses 4 --dist loadgroup
+
 # The whole suite; the slowest 30 tests close its output.
 test: install $(VULKAN_DRIVER)
-	$(PY) -m pytest --durations=30 $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) --durations=30 $(PYTEST_ARGS)
 
 # The fast tier, for before every commit (about 5 minutes on 2 cores): unit tests with the import
 # arrows, the docs' names and wording, and the conformance suite once per environment (one seed, on
 # worker processes; `make test` adds the other seeds and the inline replica).
 CHECK_SUITES ?= tests/unit tests/docs/test_names.py tests/docs/test_wording.py tests/conformance
 check: install $(VULKAN_DRIVER)
-	ENVSERVE_CONFORMANCE_QUICK=1 $(PY) -m pytest -q --durations=10 $(PYTEST_ARGS) $(CHECK_SUITES)
+	ENVSERVE_CONFORMANCE_QUICK=1 $(PY) -m pytest $(XDIST) -q --durations=10 $(PYTEST_ARGS) $(CHECK_SUITES)
 
 # The suites that talk to real servers, again with one more CPU-burning process than there are cores
 # beside them (tests/contention.sh): the races a busy shared machine shows and an idle one hides.
@@ -92,7 +97,7 @@ CONTENTION_SUITES ?= tests/integration tests/fault tests/trainer/integration tes
 CONTENTION_LIMIT ?= 2700
 test-contention: install $(VULKAN_DRIVER)
 	tests/contention.sh --limit $(CONTENTION_LIMIT) -- \
-	  $(PY) -m pytest -rfE --durations=20 -m "not cpu_bound" $(PYTEST_ARGS) $(CONTENTION_SUITES)
+	  $(PY) -m pytest $(XDIST) -rfE --durations=20 -m "not cpu_bound" $(PYTEST_ARGS) $(CONTENTION_SUITES)
 
 $(LAVAPIPE)/lvp_icd.json:
 	deploy/vulkan/fetch-lavapipe.sh $(LAVAPIPE)

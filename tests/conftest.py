@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import sys
 import tempfile
@@ -21,14 +22,28 @@ def pytest_configure(config):
                                        "because it takes down what they share (a module's stack)")
 
 
+def pytest_itemcollected(item):
+    """Tests that build and run images share one engine's image store and pods: under pytest-xdist
+    they all go to one worker (see pytest_xdist_make_scheduler)."""
+    if item.get_closest_marker("containers"):
+        item.add_marker(pytest.mark.xdist_group("podman"))
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """After pytest-randomly's shuffle (which keeps each module's tests together): a module's
-    last_in_module tests move behind the module's others."""
+    last_in_module tests move behind the module's others, and the modules that take minutes (marked
+    slow, or building images) go first, so test processes beside each other (pytest-xdist) do not
+    end with one of them still running a long module alone."""
     blocks: dict = {}
     for item in items:
         blocks.setdefault(item.module, []).append(item)
-    items[:] = [i for block in blocks.values() for i in sorted(block, key=lambda i: bool(i.get_closest_marker(
+
+    def takes_minutes(block) -> bool:
+        return any(i.get_closest_marker("slow") or i.get_closest_marker("containers") for i in block)
+
+    ordered = sorted(blocks.values(), key=lambda block: not takes_minutes(block))
+    items[:] = [i for block in ordered for i in sorted(block, key=lambda i: bool(i.get_closest_marker(
         "last_in_module")))]
 
 
@@ -46,16 +61,22 @@ def browser(tmp_path_factory):
 
 
 # Figures tests measure (success rates, timings), shown at the end of every run, with or without -s.
+# They travel as the test's user_properties, so a pytest-xdist worker's figures reach the summary too.
 _FIGURES: list[str] = []
 
 
 @pytest.fixture
-def report():
+def report(request):
     """report(line): prints the line and repeats it in the run's summary."""
     def add(line: str) -> None:
         print(line)
-        _FIGURES.append(line)
+        request.node.user_properties.append(("figure", line))
     return add
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":
+        _FIGURES.extend(value for name, value in report.user_properties if name == "figure")
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -63,6 +84,29 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("reported figures")
         for line in _FIGURES:
             terminalreporter.write_line(line)
+
+
+if importlib.util.find_spec("xdist"):
+    def pytest_xdist_make_scheduler(config, log):
+        """`-n N --dist loadgroup` (make test): a worker takes a whole module at a time, so module
+        fixtures (servers, stacks) start once, and the tests of one xdist_group (the podman ones)
+        go to one worker together."""
+        if config.getvalue("dist") != "loadgroup":
+            return None
+        from xdist.scheduler import LoadScopeScheduling
+        # Modules are handed out in the collection's order (slow ones first, see above), not
+        # sorted by how many tests they hold.
+        config.option.loadscopereorder = False
+
+        class ModuleOrGroupScheduling(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                # loadgroup appends "@<group>" to a grouped test's id
+                head, at, group = nodeid.rpartition("@")
+                if at and "::" in head and not any(c in group for c in "[]:"):
+                    return "group:" + group
+                return nodeid.split("::", 1)[0]
+
+        return ModuleOrGroupScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

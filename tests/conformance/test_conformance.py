@@ -10,6 +10,9 @@ from envserve.client.errors import SessionNotFoundError
 
 from .conftest import quick
 
+pytestmark = pytest.mark.slow
+
+
 CONFIG = {"include_valid_actions": True}
 SEEDS = [0, 1, 7, 123456][:1 if quick() else None]
 

@@ -15,6 +15,9 @@ from envserve.v1 import envserve_pb2 as pb
 
 from serverproc import JudgeProcess, ServerProcess
 
+pytestmark = pytest.mark.slow
+
+
 CORRUPT = b"\xff\xff\xff\x07not a message"  # a field header promising more bytes than follow
 CALLS = 10_000
 
@@ -124,7 +127,6 @@ def test_a_corrupt_message_mid_stream_ends_the_stream_with_invalid_argument(stac
     assert client.step_one(sid, "<answer>Left</answer>").turn >= 1
 
 
-@pytest.mark.slow
 def test_fuzz_never_answers_unknown_and_the_server_lives(stack):
     server, judge = stack
     client, sid, targets = _targets(server, judge)

@@ -22,6 +22,9 @@ from envserve.v1 import envserve_pb2_grpc as pb_grpc
 from outoftree import register_on_path
 from serverproc import ServerProcess, wait_until
 
+pytestmark = pytest.mark.slow
+
+
 CODE = {c.value[0]: c for c in grpc.StatusCode}
 
 

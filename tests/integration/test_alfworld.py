@@ -5,6 +5,7 @@ Needs the `alfworld` and `textworld[pddl]` packages."""
 import json
 import os
 import shutil
+import uuid
 
 import psutil
 import pytest
@@ -19,6 +20,9 @@ from envserve.envs.alfworld.engine import EngineClient, normalize_command  # noq
 from envserve.envs.alfworld.env import _SPLITS, SPLIT_STRIDE, AlfWorldEnv, _select  # noqa: E402
 from envserve.envs.alfworld.games import GameRef, GeneratedGames, scan_official  # noqa: E402
 from serverproc import ServerProcess  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
 
 SPEC = AlfWorldEnv.spec
 HELDOUT = set(SPEC.config_defaults["heldout_task_types"].split(","))
@@ -52,9 +56,14 @@ def session_engines(worker: int) -> list[psutil.Process]:
     return out
 
 
+# Every process of this module's server (fork copies of engines included) carries this tag in
+# its environment, so counting them is not disturbed by other servers on the machine.
+SERVER_TAG = f"test-alfworld-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess(["alfworld"], workers=1, metrics=False) as s:
+    with ServerProcess(["alfworld"], workers=1, metrics=False, env_vars={"ENVSERVE_TEST_TAG": SERVER_TAG}) as s:
         yield s
 
 
@@ -183,11 +192,13 @@ def test_walkthrough_replays_and_a_fork_ends_alike(client, fork_copies):
 
 
 def engines_anywhere() -> dict[int, psutil.Process]:
-    """Engine processes on the machine: copies made for a Fork are not the worker's descendants."""
+    """This module server's engine processes wherever they are: copies made for a Fork are not the
+    worker's descendants."""
     out = {}
     for p in psutil.process_iter():
         try:
-            if "alfworld.engine" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+            if ("alfworld.engine" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE
+                    and p.environ().get("ENVSERVE_TEST_TAG") == SERVER_TAG):
                 out[p.pid] = p
         except psutil.NoSuchProcess:
             pass

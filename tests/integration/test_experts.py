@@ -18,6 +18,9 @@ from envserve.client.experts import (EXPERTS, FORMATS, FrozenLakeNeighbourExpert
                                      relation_text)
 from serverproc import JudgeProcess, ServerProcess, sapien_vulkan_problem
 
+pytestmark = pytest.mark.slow
+
+
 SEEDS = range(20)
 
 

@@ -17,6 +17,9 @@ from envserve.client import EnvClient, state_dict  # noqa: E402
 from envserve.client.errors import EnvNotFoundError  # noqa: E402
 from serverproc import ServerProcess, serve_refusal  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
+
 SERVED = [ECHO, GUESS, GRID, LOCKED]
 
 

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
+
 ROOT = Path(__file__).resolve().parents[2]
 REPLICAS = 3
 # Channels made on first use (the judge to each replica, a replica to the ones it moves sessions to)

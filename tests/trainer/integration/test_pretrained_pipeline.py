@@ -16,7 +16,7 @@ from serverproc import ServerProcess
 pytest.importorskip("gguf")
 
 # Five CLI runs of a 135M model one after another: on a starved machine only slower, nothing to race.
-pytestmark = pytest.mark.cpu_bound
+pytestmark = [pytest.mark.cpu_bound, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -19,6 +19,9 @@ from envserve_trainer.rollout.trajectory import Episode, Turn
 
 from test_training_e2e import FROZENLAKE_GRPO, run_training  # noqa: E402  (same folder: the e2e test's small run)
 
+pytestmark = pytest.mark.slow
+
+
 # The e2e test's FrozenLake run, on REINFORCE++ (per-step rewards count) with KL to the previous policy.
 BASE = {**FROZENLAKE_GRPO, "algo": {"estimator": "reinforce_pp"},
         "update": {**FROZENLAKE_GRPO["update"], "kl_coef": 0.01, "reference": "previous"},

@@ -21,6 +21,9 @@ from envserve_trainer.models.small import weights_digest
 from envserve_trainer.models.pretrained import load_pretrained
 from envserve_trainer.train import Connection, Trainer
 
+pytestmark = pytest.mark.slow
+
+
 ROOT = Path(__file__).resolve().parents[3]
 
 FROZENLAKE_GRPO = {

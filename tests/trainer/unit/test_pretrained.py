@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
