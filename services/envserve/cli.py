@@ -99,6 +99,9 @@ def _server_args(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="live sessions this replica holds at most; Open beyond answers RESOURCE_EXHAUSTED")
     p.add_argument("--max-open-per-call", type=_positive, default=4096,
                    help="sessions one Open, Fork or Restore makes at most (default: %(default)s)")
+    p.add_argument("--max-tasks-page", type=_positive, default=1000,
+                   help="tasks one ListTasks page holds at most; a bigger page_size is cut to it "
+                        "(default: %(default)s)")
     p.add_argument("--max-message-bytes", type=_positive, default=64 * 1024 * 1024,
                    help="largest gRPC message received or sent (default: %(default)s)")
     p.add_argument("--max-batch-items", type=_positive, default=4096,
@@ -189,6 +192,7 @@ def _config(args, env_ids):
                         external_address=args.external_address, heartbeat_seconds=args.heartbeat_seconds,
                         heartbeat_on_change_seconds=args.heartbeat_on_change_seconds,
                         max_open_per_call=args.max_open_per_call, max_message_bytes=args.max_message_bytes,
+                        max_tasks_page=args.max_tasks_page,
                         max_batch_items=args.max_batch_items, max_stream_items=args.max_stream_items,
                         item_time_limit_seconds=args.item_time_limit, stuck_grace_seconds=args.stuck_grace,
                         orphan_sweep_seconds=args.orphan_sweep_seconds,

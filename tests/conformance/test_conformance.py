@@ -226,6 +226,33 @@ def test_same_task_restarts_initial_state(clients, env_id):
     c.close_sessions([sid])
 
 
+def test_tasks_of_every_split_page_stably_and_each_id_starts_its_task(clients, env_id):
+    """ListTasks: each split's size is the spec's, ids are unique within a split, two pages in a
+    row are one longer page, a listing repeats, and a task's id starts the same initial state as
+    its seed, in either server process."""
+    c = clients[0]
+    spec = c.get_spec(env_id)
+    for split in spec.splits:
+        first = c.list_tasks(env_id, split.name, page_size=3)
+        assert first.total == split.num_tasks > 0
+        assert 0 < len(first.tasks) <= 3 and {t.split for t in first.tasks} == {split.name}
+        ids = [t.task_id for t in first.tasks]
+        if first.next_page_token:
+            second = c.list_tasks(env_id, split.name, page_size=3, page_token=first.next_page_token)
+            ids += [t.task_id for t in second.tasks]
+            assert [t.task_id for t in c.list_tasks(env_id, split.name, page_size=6).tasks] == ids
+        assert len(set(ids)) == len(ids)
+        assert c.list_tasks(env_id, split.name, page_size=3) == first
+    task = c.list_tasks(env_id, spec.splits[-1].name, page_size=2).tasks[-1]
+    anchors = set()
+    for cl in clients:
+        sid = open_one(cl, env_id)
+        anchors.add(cl.reset_one(sid, task_id=task.task_id).anchor)
+        anchors.add(cl.reset_one(sid, seed=task.seed).anchor)
+        cl.close_sessions([sid])
+    assert len(anchors) == 1, f"{env_id} task {task.task_id}: {anchors}"
+
+
 GARBAGE = ["", " ", "\x00\x01\x02", "<answer>", "</answer>", "<answer><answer>Up</answer>",
            "<think><answer>Up</think></answer>", "<answer>" + "A" * 5000 + "</answer>",
            "<answer>\u202e\ufeff</answer>", "<answer>, , ,</answer>", "<answer>(99, 99)</answer>",

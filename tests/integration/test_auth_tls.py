@@ -37,6 +37,8 @@ def test_missing_and_wrong_tokens_are_unauthenticated(secured):
             with pytest.raises(UnauthenticatedError):
                 c.list_envs()
             with pytest.raises(UnauthenticatedError):
+                c.list_tasks("sokoban")
+            with pytest.raises(UnauthenticatedError):
                 c.step([("x/y", "<answer>Up</answer>")])
 
 

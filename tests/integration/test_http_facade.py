@@ -70,6 +70,19 @@ def test_envs_and_specs(http):
     assert spec["envId"] == "frozenlake" and spec["maxActionsPerTurn"] == 3 and "free_think" in spec["actionFormats"]
 
 
+def test_tasks_over_http_are_the_replicas_listing(http, replica_a):
+    first = ok(http.get("/v1/envs/sokoban/tasks", params={"split": "test", "page_size": 2}))
+    with EnvClient(replica_a.address) as c:
+        grpc_page = c.list_tasks("sokoban", "test", 4)
+    assert int(first["total"]) == grpc_page.total == 100_000
+    following = ok(http.get("/v1/envs/sokoban/tasks", params={"split": "test", "page_size": 2,
+                                                              "page_token": first["nextPageToken"]}))
+    assert [t["taskId"] for t in first["tasks"] + following["tasks"]] == [t.task_id for t in grpc_page.tasks]
+    assert first["tasks"][0]["parameters"]["num_boxes"] == 1 and first["tasks"][0]["split"] == "test"
+    default = ok(http.get("/v1/envs/frozenlake/tasks"))
+    assert len(default["tasks"]) == 100 and default["tasks"][0]["split"] == "train"
+
+
 def test_session_opened_over_http_is_a_grpc_session(http, replica_a, replica_b):
     opened = ok(http.post("/v1/sessions", json={"envId": "sokoban", "count": 1, "actionFormat": "free_think",
                                                 "config": {"render_image": True}}))
@@ -144,6 +157,10 @@ def test_errors_of_whole_calls(http, replica_a):
 
     assert "not served" in error(http.post("/v1/sessions", json={"envId": "nope"}), 404, "NOT_FOUND")
     error(http.get("/v1/envs/nope"), 404, "NOT_FOUND")
+    error(http.get("/v1/envs/nope/tasks"), 404, "NOT_FOUND")
+    assert "unknown split" in error(http.get("/v1/envs/sokoban/tasks", params={"split": "nope"}), 400, "INVALID_ARGUMENT")
+    assert "page_token" in error(http.get("/v1/envs/sokoban/tasks", params={"page_token": "x"}), 400, "INVALID_ARGUMENT")
+    error(http.get("/v1/envs/sokoban/tasks", params={"page_size": -1}), 400, "INVALID_ARGUMENT")
     assert "JSON" in error(http.post("/v1/step", content=b'{"items": [}', headers={"Content-Type": "application/json"}),
                            400, "INVALID_ARGUMENT")
     assert "itemz" in error(http.post("/v1/step", json={"itemz": []}), 400, "INVALID_ARGUMENT")

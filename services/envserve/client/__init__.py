@@ -12,9 +12,10 @@ from .routing import RoutedClient
 from .streaming import StreamingClient
 from .recovery import RecoverySettings
 from .judge import AsyncJudgeClient, JudgeClient, JudgeTask
+from .tasks import iter_tasks
 
 __all__ = [
-    "EnvClient", "AsyncEnvClient", "JudgeClient", "AsyncJudgeClient", "JudgeTask", "RoutedClient", "AsyncRoutedClient", "StreamingClient", "RoutedStream", "RecoverySettings", "InteractStream", "decode_image", "state_dict",
+    "EnvClient", "AsyncEnvClient", "iter_tasks", "JudgeClient", "AsyncJudgeClient", "JudgeTask", "RoutedClient", "AsyncRoutedClient", "StreamingClient", "RoutedStream", "RecoverySettings", "InteractStream", "decode_image", "state_dict",
     "EnvServeError", "EnvNotFoundError", "SessionLostError", "SessionNotFoundError", "ReplicaFullError", "UnavailableError",
     "PermissionDeniedError", "UnauthenticatedError", "check", "item_error", "messages", "sessions_per_table",
 ]

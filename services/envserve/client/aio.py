@@ -67,6 +67,14 @@ class AsyncEnvClient:
         except EnvServeError as e:
             raise env_error(e) from None
 
+    async def list_tasks(self, env_id: str, split: str = "", page_size: int = 0,
+                         page_token: str = "") -> pb.ListTasksResponse:
+        try:
+            return await self._call(self.env.ListTasks, pb.ListTasksRequest(
+                env_id=env_id, split=split, page_size=page_size, page_token=page_token))
+        except EnvServeError as e:
+            raise env_error(e) from None
+
     async def reset(self, session_ids: Sequence[str], seeds=None, task_id: str = "", split: str = "",
                     same_task: bool = False) -> list[pb.StepResult]:
         req = rq.reset_request(session_ids, seeds, task_id, split, same_task)

@@ -75,6 +75,15 @@ class AsyncRoutedClient(Router):
             raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"no live replica serves {env_id!r}")
         return await self.client_for(replicas[0]).get_spec(env_id)
 
+    async def list_tasks(self, env_id: str, split: str = "", page_size: int = 0,
+                         page_token: str = "") -> pb.ListTasksResponse:
+        """A page of a split's tasks, from any replica serving the env (they list the same tasks)."""
+        replicas = await self._refresh(env_id)
+        if not replicas:
+            await asyncio.to_thread(self.check_served, env_id)
+            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"no live replica serves {env_id!r}")
+        return await self.client_for(replicas[0]).list_tasks(env_id, split, page_size, page_token)
+
     async def open_with_prompt(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
                                action_format: str = "") -> tuple[list[str], str]:
         """(session ids, their system prompt); the replicas of one env give the same prompt."""

@@ -91,6 +91,14 @@ class EnvClient(ChannelOwner):
         except EnvServeError as e:
             raise env_error(e) from None
 
+    def list_tasks(self, env_id: str, split: str = "", page_size: int = 0, page_token: str = "") -> pb.ListTasksResponse:
+        """One page of a split's tasks (the first page with no token); iter_tasks walks them all."""
+        try:
+            return self._call(self.env.ListTasks, pb.ListTasksRequest(env_id=env_id, split=split, page_size=page_size,
+                                                                      page_token=page_token))
+        except EnvServeError as e:
+            raise env_error(e) from None
+
     def open(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
              action_format: str = "") -> list[str]:
         return list(self.open_sessions(env_id, count, config, action_format).session_ids)

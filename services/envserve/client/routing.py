@@ -673,6 +673,13 @@ class RoutedClient(Router):
             raise make_error(grpc.StatusCode.NOT_FOUND, f"no live replica serves {env_id!r}")
         return self.client_for(candidates[0]).get_spec(env_id)
 
+    def list_tasks(self, env_id: str, split: str = "", page_size: int = 0, page_token: str = "") -> pb.ListTasksResponse:
+        """A page of a split's tasks, from any replica serving the env (they list the same tasks)."""
+        candidates = self.replicas(env_id)
+        if not candidates:
+            raise make_error(grpc.StatusCode.NOT_FOUND, f"no live replica serves {env_id!r}")
+        return self.client_for(candidates[0]).list_tasks(env_id, split, page_size, page_token)
+
     def close(self) -> None:
         for c in self._clients.values():
             c.close()

@@ -578,6 +578,9 @@ class StreamingClient:
     def list_envs(self) -> list[pb.EnvSpec]:
         return self._run(AsyncRoutedClient.list_envs)
 
+    def list_tasks(self, env_id: str, split: str = "", page_size: int = 0, page_token: str = "") -> pb.ListTasksResponse:
+        return self._run(AsyncRoutedClient.list_tasks, env_id, split, page_size, page_token)
+
     def replica_of(self, session_id: str) -> str:
         """The replica id holding a caller's session now (it changes when the session is rebuilt)."""
         return replica_of(self.routed.sessions.current(session_id))

@@ -80,6 +80,9 @@ class EnvSpec:
     # A replica's operator may replace them per key (core/limits.py).
     config_bounds: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     splits: tuple[Split, ...] = (Split("train"),)
+    # The config keys that set a task's difficulty (board size, boxes...): ListTasks shows their
+    # defaults as each task's parameters unless the env's describe_task says more.
+    difficulty_keys: tuple[str, ...] = ()
     default_action_format: str = "free_think"
     action_formats: tuple[str, ...] = ()
     supports_snapshot: bool = True
@@ -275,6 +278,15 @@ class GroundTruth:
 # seat came out (info["rewards"] and info["successes"], seat -> value, seats as strings).
 
 
+@dataclass(frozen=True)
+class TaskDescription:
+    """What an env can say of a task without building it (ListTasks): its goal or a line naming
+    it, its kind, and what sets its difficulty."""
+    description: str = ""
+    task_type: str = ""
+    parameters: Mapping[str, Any] = field(default_factory=dict)
+
+
 class Environment:
     """Base class of every environment.
 
@@ -286,6 +298,13 @@ class Environment:
 
     def __init__(self, config: Mapping[str, Any]):
         self.config = dict(config)
+
+    @classmethod
+    def describe_task(cls, spec: EnvSpec, seed: int) -> TaskDescription:
+        """The task `seed` starts under the env's default config, said without building it (no
+        simulator, no generation): ListTasks calls it for every task of a page. Default: nothing
+        beyond the seed and the defaults of spec.difficulty_keys."""
+        return TaskDescription(parameters={k: spec.config_defaults[k] for k in spec.difficulty_keys})
 
     # -- the five methods -------------------------------------------------------------
     def reset(self, seed: int, options: Mapping[str, Any] | None = None) -> None:

@@ -49,6 +49,7 @@ def add_env_service(servicer: EnvService, server: grpc.aio.Server) -> None:
         "Fork": unary(servicer.Fork, pb.ForkRequest),
         "Close": unary(servicer.Close, pb.CloseRequest),
         "Restore": unary(servicer.Restore, pb.RestoreRequest),
+        "ListTasks": unary(servicer.ListTasks, pb.ListTasksRequest),
     }
     missing = set(pb.DESCRIPTOR.services_by_name["EnvService"].methods_by_name) - set(handlers)
     assert not missing, f"EnvService methods without a handler: {missing}"

@@ -26,6 +26,10 @@ class ServerConfig:
     lone_request_wait_seconds: float = 0.001
     max_sessions: int = 10_000
     max_open_per_call: int = 4096
+    # Tasks one ListTasks page holds at most (a bigger page_size is cut to it), and a page's size
+    # when the caller names none.
+    max_tasks_page: int = 1000
+    default_tasks_page: int = 100
     # Items of one Step, Reset, Close or InteractRequest at most (a bigger call is INVALID_ARGUMENT).
     max_batch_items: int = 4096
     # Items of one Interact stream in flight or answered but not yet read by its client; past this

@@ -65,7 +65,7 @@ def spec_to_proto(spec: EnvSpec) -> pb.EnvSpec:
         action_formats=list(spec.action_formats or format_names()),
         max_turns=spec.max_turns, max_actions_per_turn=spec.max_actions_per_turn,
         modalities=list(spec.modalities), config_schema_json=json.dumps(spec.config_schema()),
-        splits=[pb.Split(name=s.name, description=s.description) for s in spec.splits],
+        splits=[pb.Split(name=s.name, description=s.description, num_tasks=s.num_tasks) for s in spec.splits],
         action_space=spec.action_space, supports_snapshot=spec.supports_snapshot,
         replay_exact=spec.replay_exact, seed_varies_start=spec.seed_varies_start,
     )
@@ -116,3 +116,9 @@ def batch_element(step_result: bytes) -> bytes:
 def interact_result(tag: int, step_result: bytes) -> bytes:
     """A serialized InteractResult (tag = field 1, result = field 2)."""
     return b"\x08" + wire.varint(tag) + wire.field_bytes(2, step_result)
+
+
+def task_to_proto(task) -> pb.Task:
+    """A core.tasks.Task as the wire's Task."""
+    return pb.Task(task_id=task.task_id, split=task.split, description=task.description,
+                   task_type=task.task_type, parameters=to_struct(dict(task.parameters)), seed=task.seed)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from envserve.common.tables import sessions_per_table
+from envserve.core import tasks
 from envserve.core.env import resolve_config
 from envserve.core.registry import get_env_class
 from envserve.core.session import full_spec
@@ -548,6 +549,26 @@ class EnvService(pb_grpc.EnvServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"env {request.env_id!r} is not served here; served: {self.r.env_ids}")
         return convert.spec_to_proto(spec)
+
+    async def ListTasks(self, request, context):
+        await caller(context, self.r.auth.env_owner)
+        spec = self.r.specs.get(request.env_id)
+        if spec is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"env {request.env_id!r} is not served here; served: {self.r.env_ids}")
+        if request.page_size < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"page_size must be >= 0, got {request.page_size}")
+        size = min(request.page_size or self.r.config.default_tasks_page, self.r.config.max_tasks_page)
+        try:
+            total = (spec.split(request.split) if request.split else spec.splits[0]).num_tasks
+            start = tasks.parse_page_token(request.page_token, total)
+        except (KeyError, tasks.TaskListError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e.args[0]))
+        # An env may read a file or two to describe its tasks: off the event loop.
+        page, total, next_start = await asyncio.to_thread(
+            tasks.list_tasks, get_env_class(request.env_id), spec, request.split, start, size)
+        return pb.ListTasksResponse(tasks=[convert.task_to_proto(t) for t in page], total=total,
+                                    next_page_token="" if next_start is None else str(next_start))
 
     async def Open(self, request, context):
         owner = await caller(context, self.r.auth.env_owner)

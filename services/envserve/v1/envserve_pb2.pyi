@@ -16,12 +16,14 @@ class ItemStatus(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Split(_message.Message):
-    __slots__ = ("name", "description")
+    __slots__ = ("name", "description", "num_tasks")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TASKS_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ...) -> None: ...
+    num_tasks: int
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., num_tasks: _Optional[int] = ...) -> None: ...
 
 class EnvSpec(_message.Message):
     __slots__ = ("env_id", "description", "system_prompt", "default_action_format", "action_formats", "max_turns", "max_actions_per_turn", "modalities", "config_schema_json", "splits", "action_space", "supports_snapshot", "replay_exact", "seed_varies_start")
@@ -78,6 +80,44 @@ class GetSpecRequest(_message.Message):
     ENV_ID_FIELD_NUMBER: _ClassVar[int]
     env_id: str
     def __init__(self, env_id: _Optional[str] = ...) -> None: ...
+
+class ListTasksRequest(_message.Message):
+    __slots__ = ("env_id", "split", "page_size", "page_token")
+    ENV_ID_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    env_id: str
+    split: str
+    page_size: int
+    page_token: str
+    def __init__(self, env_id: _Optional[str] = ..., split: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class Task(_message.Message):
+    __slots__ = ("task_id", "split", "description", "task_type", "parameters", "seed")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    TASK_TYPE_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    split: str
+    description: str
+    task_type: str
+    parameters: _struct_pb2.Struct
+    seed: int
+    def __init__(self, task_id: _Optional[str] = ..., split: _Optional[str] = ..., description: _Optional[str] = ..., task_type: _Optional[str] = ..., parameters: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class ListTasksResponse(_message.Message):
+    __slots__ = ("tasks", "total", "next_page_token")
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    tasks: _containers.RepeatedCompositeFieldContainer[Task]
+    total: int
+    next_page_token: str
+    def __init__(self, tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ..., total: _Optional[int] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
     __slots__ = ("env_id", "count", "config", "action_format", "state_readers")

@@ -80,6 +80,11 @@ class EnvServiceStub:
                 request_serializer=envserve_dot_v1_dot_envserve__pb2.RestoreRequest.SerializeToString,
                 response_deserializer=envserve_dot_v1_dot_envserve__pb2.RestoreResponse.FromString,
                 _registered_method=True)
+        self.ListTasks = channel.unary_unary(
+                '/envserve.v1.EnvService/ListTasks',
+                request_serializer=envserve_dot_v1_dot_envserve__pb2.ListTasksRequest.SerializeToString,
+                response_deserializer=envserve_dot_v1_dot_envserve__pb2.ListTasksResponse.FromString,
+                _registered_method=True)
 
 
 class EnvServiceServicer:
@@ -148,6 +153,15 @@ class EnvServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListTasks(self, request, context):
+        """The tasks of one split, a page at a time: each task's id (ResetItem.task_id starts exactly
+        that task) and what the env says of it. Listing builds no task, so a split of a million
+        generated seeds pages as fast as a list of ten.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EnvServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -195,6 +209,11 @@ def add_EnvServiceServicer_to_server(servicer, server):
                     servicer.Restore,
                     request_deserializer=envserve_dot_v1_dot_envserve__pb2.RestoreRequest.FromString,
                     response_serializer=envserve_dot_v1_dot_envserve__pb2.RestoreResponse.SerializeToString,
+            ),
+            'ListTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTasks,
+                    request_deserializer=envserve_dot_v1_dot_envserve__pb2.ListTasksRequest.FromString,
+                    response_serializer=envserve_dot_v1_dot_envserve__pb2.ListTasksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -441,6 +460,33 @@ class EnvService:
             '/envserve.v1.EnvService/Restore',
             envserve_dot_v1_dot_envserve__pb2.RestoreRequest.SerializeToString,
             envserve_dot_v1_dot_envserve__pb2.RestoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/envserve.v1.EnvService/ListTasks',
+            envserve_dot_v1_dot_envserve__pb2.ListTasksRequest.SerializeToString,
+            envserve_dot_v1_dot_envserve__pb2.ListTasksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -176,6 +176,16 @@ def create_app(directory_url: str = "", replicas=(), root_certificates: bytes | 
         return to_json(await table.stubs(serving[0]).env.GetSpec(pb.GetSpecRequest(env_id=env_id),
                                                                   timeout=timeout, metadata=md))
 
+    @app.get("/v1/envs/{env_id}/tasks")
+    async def list_tasks(env_id: str, request: Request, split: str = Query("", max_length=256),
+                         page_size: int = Query(0, ge=0, lt=INT32), page_token: str = Query("", max_length=64)):
+        """ListTasksRequest's fields as query parameters -> ListTasksResponse, from a replica serving
+        the env (every replica of an env lists the same tasks)."""
+        md = _forwarded(request)
+        serving = await gateway.serving(env_id, md)
+        req = pb.ListTasksRequest(env_id=env_id, split=split, page_size=page_size, page_token=page_token)
+        return to_json(await table.stubs(serving[0]).env.ListTasks(req, timeout=timeout, metadata=md))
+
     @app.post("/v1/sessions")
     async def open_sessions(request: Request):
         """OpenRequest -> OpenResponse, on the least-loaded replica serving the env (all sessions of

@@ -22,7 +22,8 @@ from __future__ import annotations
 import copy
 from typing import Any, Mapping
 
-from envserve.core.env import REWARD_BOUNDS, SERVER_PATH_BOUNDS, ActionOutcome, Environment, EnvSpec, GroundTruth, Split
+from envserve.core.env import (REWARD_BOUNDS, SERVER_PATH_BOUNDS, ActionOutcome, Environment, EnvSpec, GroundTruth, Split,
+                               TaskDescription)
 from envserve.core.session import SessionError
 
 from . import games as game_index
@@ -150,15 +151,17 @@ def _select(refs_by_base, heldout: frozenset[str], ood: frozenset[str]) -> dict[
             for name, bases, which in _SPLITS}
 
 
-def _default_split_sizes() -> dict[str, int]:
+def _default_split_games() -> dict[str, list]:
+    """Each split's games under the default config (generated games), as the env selects them."""
     counts = {"train": _DEFAULTS["generated_train_games"], "valid_seen": _DEFAULTS["generated_valid_seen_games"],
               "valid_unseen": _DEFAULTS["generated_valid_unseen_games"]}
     refs = {b: [game_index.GameRef(b, i, TASK_TYPES[i % 6]) for i in range(n)] for b, n in counts.items()}
     heldout = _type_list(_DEFAULTS["heldout_task_types"], "heldout_task_types")
-    return {k: len(v) for k, v in _select(refs, heldout, _type_list(_DEFAULTS["ood_task_types"], "")).items()}
+    return _select(refs, heldout, _type_list(_DEFAULTS["ood_task_types"], ""))
 
 
-_SIZES = _default_split_sizes()
+_DEFAULT_GAMES = _default_split_games()
+_SIZES = {k: len(v) for k, v in _DEFAULT_GAMES.items()}
 
 
 class AlfWorldEnv(Environment):
@@ -286,6 +289,17 @@ class AlfWorldEnv(Environment):
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.close()
+
+    @classmethod
+    def describe_task(cls, spec, seed: int) -> TaskDescription:
+        """The generated game a seed starts under the default config: its task type and where it
+        sits in ALFWorld's base split (the goal text comes with the game, so not listed)."""
+        games = _DEFAULT_GAMES[_SPLITS[(seed // SPLIT_STRIDE) % len(_SPLITS)][0]]
+        if not games or game_index.official_root(_DEFAULTS["data_dir"]):
+            return TaskDescription()   # official games: which one a seed starts is known once scanned
+        ref = games[(seed % SPLIT_STRIDE) % len(games)]
+        return TaskDescription(description=f"a generated {ref.task_type} game ({ref.base} #{ref.index})",
+                               task_type=ref.task_type, parameters={"base_split": ref.base, "game": ref.index})
 
     # -- episodes ------------------------------------------------------------------------
     def game_of_seed(self, seed: int) -> game_index.GameRef:

@@ -62,6 +62,7 @@ class FrozenLakeEnv(Environment):
         max_turns=10,
         max_actions_per_turn=3,
         modalities=("text", "image"),
+        difficulty_keys=("size", "p"),
         config_defaults={
             "size": 4,
             "p": 0.8,

@@ -71,6 +71,7 @@ class MinesweeperEnv(Environment):
         max_turns=20,
         max_actions_per_turn=1,
         modalities=("text", "image"),
+        difficulty_keys=("rows", "cols", "num_mines"),
         config_defaults={
             "rows": 6,
             "cols": 6,

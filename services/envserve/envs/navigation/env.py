@@ -246,6 +246,8 @@ class NavigationEnv(Environment):
         max_actions_per_turn=5,
         modalities=("text", "image"),
         config_defaults={**DEFAULTS, "render_image": True, "format_reward": 0.5},
+        difficulty_keys=("backend", "success_distance", "max_env_steps", "miniworld_num_objects",
+                         "miniworld_min_room", "miniworld_max_room"),
         config_docs=DOCS,
         config_bounds=BOUNDS,
         splits=seeded_splits("generated navigation tasks (AI2-THOR with thor_task_file: task seed mod count)"),

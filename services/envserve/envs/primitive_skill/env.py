@@ -65,6 +65,7 @@ class PrimitiveSkillEnv(Environment):
         max_turns=10,
         max_actions_per_turn=2,
         modalities=("text", "image"),
+        difficulty_keys=("task", "robot_init_qpos_noise"),
         config_defaults={
             "task": "align",
             "render_image": True,

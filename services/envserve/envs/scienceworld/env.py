@@ -18,7 +18,7 @@ import re
 import threading
 from typing import Any, Mapping
 
-from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, Split
+from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, Split, TaskDescription
 from envserve.core.session import SessionError
 
 from .catalog import load_catalog
@@ -274,6 +274,14 @@ class ScienceWorldEnv(Environment):
         _give_back(jvm, int(c["heap_max_mb"]), int(c["sessions_per_jvm"]))
 
     # -- episodes ----------------------------------------------------------------------
+    @classmethod
+    def describe_task(cls, spec, seed: int) -> TaskDescription:
+        """The task name and variation a seed starts under the default splits (no JVM)."""
+        pairs = _DEFAULT_SPLITS[SPLIT_NAMES[(seed // SPLIT_STRIDE) % len(SPLIT_NAMES)]]
+        task, variation = pairs[(seed % SPLIT_STRIDE) % len(pairs)]
+        return TaskDescription(description=f"ScienceWorld task {task}, variation {variation}", task_type=str(task),
+                               parameters={"variation": int(variation)})
+
     def task_of_seed(self, seed: int) -> tuple[str, int]:
         """(task name, variation) of a seed: split by seed range, then an index into its list."""
         pairs = self._splits[SPLIT_NAMES[(seed // SPLIT_STRIDE) % len(SPLIT_NAMES)]]

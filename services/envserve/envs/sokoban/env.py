@@ -149,6 +149,7 @@ class SokobanEnv(Environment):
         max_turns=10,
         max_actions_per_turn=3,
         modalities=("text", "image"),
+        difficulty_keys=("dim_room", "num_boxes", "num_gen_steps"),
         config_defaults={
             "dim_room": 6,
             "num_boxes": 1,

@@ -148,6 +148,7 @@ class SvgEnv(Environment):
         max_actions_per_turn=1,
         modalities=("text", "image"),
         config_defaults=_DEFAULTS,
+        difficulty_keys=("min_shapes", "max_shapes"),
         config_docs=_DOCS,
         config_bounds=_BOUNDS,
         splits=seeded_splits("generated icons (or svg_dir files, seed mod n)"),
