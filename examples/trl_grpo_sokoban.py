@@ -9,9 +9,10 @@ numbers of steps suit a GPU: on CPU one SFT step at these defaults takes about 1
 one GRPO step about 5.5 min (2 shared cores), so try `--sft-steps 2 --steps 1` first (about 9 min).
 
 What it shows, in order:
-1. A dataset: TRL needs a `prompt` column (a chat); envserve's reset reads the row's `seed`, so each
-   row is one Sokoban level. TRL appends what `reset` returns (the rules and the first grid) to the
-   prompt's last user message.
+1. A dataset: TRL needs a `prompt` column (a chat); envserve's reset reads the row's `seed` (or
+   `task_id`), so each row is one Sokoban level. TRL appends what `reset` returns (the rules and the
+   first grid) to the prompt's last user message. `--tasks FILE` reads the rows from a split that
+   `envserve tasks export sokoban --split test --format trl --out FILE` wrote.
 2. The environment: `environment_factory(address, "sokoban")` is a class whose instances are envserve
    sessions; its `move(direction)` method becomes the model's tool, `get_reward()` the episode return.
 3. The chat template: TRL reads tool calls back from the completions only for chat templates it
@@ -40,7 +41,7 @@ import sys
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")   # TRL marks environment_factory as experimental
 
-from datasets import Dataset
+from datasets import Dataset, load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import get_json_schema
 from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
@@ -64,6 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--sft-steps", type=int, default=0, help="SFT steps on the expert's games first (0: none)")
     p.add_argument("--sft-levels", type=int, default=16, help="levels the expert plays for the SFT data")
     p.add_argument("--levels", type=int, default=64, help="dataset rows (Sokoban seeds) for GRPO")
+    p.add_argument("--tasks", default="", help="GRPO's rows from this file (`envserve tasks export ... --format trl`) "
+                                               "instead of --levels seeds")
     p.add_argument("--num-generations", type=int, default=4, help="rollouts per level (GRPO's group)")
     p.add_argument("--max-completion-length", type=int, default=256, help="tokens per rollout, tool turns included")
     p.add_argument("--max-tool-calls", type=int, default=12, help="tool-calling iterations per rollout")
@@ -148,8 +151,12 @@ def main(argv=None) -> int:
     try:
         if args.sft_steps > 0:
             sft(args, model, tokenizer, Sokoban, env_config)
-        rows = Dataset.from_dict({"prompt": [[{"role": "user", "content": PROMPT}]] * args.levels,
-                                  "seed": list(range(args.levels))})
+        if args.tasks:
+            rows = load_dataset("json", data_files=args.tasks, split="train")
+            print(f"dataset: {len(rows)} tasks of split {rows[0]['split']} from {args.tasks}", flush=True)
+        else:
+            rows = Dataset.from_dict({"prompt": [[{"role": "user", "content": PROMPT}]] * args.levels,
+                                      "seed": list(range(args.levels))})
         config = GRPOConfig(output_dir=args.output_dir, max_steps=args.steps, learning_rate=args.learning_rate,
                             per_device_train_batch_size=args.num_generations, num_generations=args.num_generations,
                             max_completion_length=args.max_completion_length,

@@ -524,6 +524,42 @@ def _truth_client(env_id: str, address: str, token_file: str = "", state_token_f
         yield client
 
 
+def cmd_tasks(args) -> int:
+    """`tasks list`: a split's tasks as a table; `tasks export`: as the dataset a trainer reads."""
+    from envserve.client.errors import EnvServeError
+    try:
+        return _tasks(args)
+    except _CliError as e:
+        print(f"envserve tasks {args.tasks_command}: {e}", file=sys.stderr)
+        return e.status
+    except EnvServeError as e:
+        print(f"envserve tasks {args.tasks_command}: {e}", file=sys.stderr)
+        return 1
+
+
+def _tasks(args) -> int:
+    from envserve.client import iter_tasks
+    if args.limit < 0:
+        raise _CliError(f"--limit must be >= 0, got {args.limit}")
+    with _truth_client(args.env, args.address, args.token_file, tls_ca=args.tls_ca) as client:
+        spec = client.get_spec(args.env)
+        split = args.split or spec.splits[0].name
+        total = next((s.num_tasks for s in spec.splits if s.name == split), None)
+        if total is None:
+            raise _CliError(f"unknown split {split!r}; {args.env} has {[s.name for s in spec.splits]}")
+        tasks = iter_tasks(client, args.env, split, limit=args.limit or None)
+        if args.tasks_command == "list":
+            for t in tasks:
+                print(f"{t.task_id:>12s}  {t.task_type:30s} {t.description}")
+            print(f"{split}: {total} tasks", file=sys.stderr)
+            return 0
+        from envserve.integrations import task_rows
+        data = task_rows.rows(args.format, spec, (task_rows.task_dict(args.env, t) for t in tasks), args.agent_name)
+    task_rows.write(args.format, data, args.out)
+    print(f"wrote {args.out}: {len(data)} {args.format} rows of {args.env} {split} ({total} tasks in the split)")
+    return 0
+
+
 def _turn_text(action: str) -> str:
     """An action as a turn's text: a bare action goes in <answer> tags; a full reply stays as it is."""
     return action if "<" in action else f"<answer>{action}</answer>"
@@ -935,6 +971,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-token-file", default="", help="token for StateService, where the replica needs one")
     p.add_argument("--tls-ca", default="", help="CA certificate, when the replica serves TLS")
     p.set_defaults(fn=cmd_state)
+    p = sub.add_parser("tasks", help="a split's tasks (ListTasks): list them, or export them as a trainer's dataset")
+    tasks_sub = p.add_subparsers(dest="tasks_command", required=True)
+    for name, what in (("list", "print a split's tasks: id, task type, description"),
+                       ("export", "write a split's tasks as the rows a trainer reads (TRL, verl, SkyRL)")):
+        t = tasks_sub.add_parser(name, help=what, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        t.add_argument("env", help="environment id")
+        t.add_argument("--split", default="", help="split name (empty: the env's first)")
+        t.add_argument("--limit", type=int, default=0 if name == "export" else 20,
+                       help="this many tasks from the split's start (0: the whole split)")
+        t.add_argument("--address", default="", help="a running replica, HOST:PORT (empty: start one here)")
+        t.add_argument("--token-file", default="", help="token for the replica, where it needs one")
+        t.add_argument("--tls-ca", default="", help="CA certificate, when the replica serves TLS")
+        if name == "export":
+            t.add_argument("--format", default="tasks", choices=["tasks", "trl", "verl", "skyrl"],
+                           help="tasks/trl: JSON lines; verl/skyrl: parquet (see envserve.integrations.task_rows)")
+            t.add_argument("--out", required=True, help="the file to write")
+            t.add_argument("--agent-name", default="envserve_agent", choices=["envserve_agent", "tool_agent"],
+                           help="verl: which agent loop plays the rows")
+        t.set_defaults(fn=cmd_tasks)
     p = sub.add_parser("new-env", help="scaffold an environment package of your own that passes the "
                                        "conformance suite")
     p.add_argument("name", help="the environment's id, e.g. line-walk (letters, digits, - and _)")

@@ -89,6 +89,12 @@ def cli_helps() -> dict[str, dict[str, str]]:
             subs = _subcommands(top)
             assert subs, f"{name} --help lists no subcommands:\n{top}"
             helps = dict(zip(subs, pool.map(lambda s: _help([*cmd, s, "--help"]), subs)))
+            # A subcommand with subcommands of its own (`tasks list|export`): its help gets theirs,
+            # so a doc's `envserve tasks export --split` finds the flag.
+            for sub, text in list(helps.items()):
+                m = re.search(r"\{([\w,-]+)\} \.\.\.", text)   # argparse's usage of a subparser
+                nested = m.group(1).split(",") if m else []
+                helps[sub] += "".join(pool.map(lambda n: _help([*cmd, sub, n, "--help"]), nested))
             out[name] = {"": top, **helps}
     return out
 

@@ -215,3 +215,44 @@ def test_judge_preview_shows_where_the_state_is_cut(tmp_path):
 def test_judge_preview_refuses_incomplete_input(args, says):
     out = cli("judge", "--preview", *args)
     assert out.returncode == 2 and says in out.stderr, out.stderr
+
+
+# -- tasks ----------------------------------------------------------------------------------------------
+def test_tasks_list_prints_a_splits_tasks_from_a_replica(grid_server):
+    out = cli("tasks", "list", "minesweeper", "--split", "test", "--limit", "3", "--address", grid_server.address)
+    assert out.returncode == 0, out.stderr
+    with EnvClient(grid_server.address) as c:
+        ids = [t.task_id for t in c.list_tasks("minesweeper", "test", 3).tasks]
+    assert [line.split()[0] for line in out.stdout.splitlines()] == ids
+    assert "test: 100000 tasks" in out.stderr
+
+
+def test_tasks_export_writes_each_trainers_rows_naming_the_listed_tasks(grid_server, tmp_path):
+    import datasets
+
+    from envserve.integrations._common import row_reset_args
+    with EnvClient(grid_server.address) as c:
+        listed = [(t.task_id, t.seed) for t in c.list_tasks("sokoban", "test", 5).tasks]
+    for fmt, kind in (("tasks", "json"), ("trl", "json"), ("verl", "parquet"), ("skyrl", "parquet")):
+        path = tmp_path / f"sokoban.{fmt}"
+        out = cli("tasks", "export", "sokoban", "--split", "test", "--limit", "5", "--format", fmt, "--out", str(path),
+                  "--address", grid_server.address)
+        assert out.returncode == 0, out.stderr
+        rows = list(datasets.load_dataset(kind, data_files=str(path), split="train"))
+        # What envserve's adapters read from a row (TRL its columns, verl and SkyRL extra_info too)
+        # names the listed task.
+        reset_args = [row_reset_args(r, r.get("extra_info")) for r in rows]
+        assert [(task_id, seed) for seed, task_id, _ in reset_args] == listed, fmt
+        assert all(split == "test" for _, _, split in reset_args)
+        if fmt == "verl":
+            assert rows[0]["data_source"] == "envserve/sokoban" and rows[0]["prompt"][0]["role"] == "user"
+            assert rows[0]["extra_info"]["tools_kwargs"]["move"]["create_kwargs"]["seed"] == listed[0][1]
+        if fmt == "skyrl":
+            assert rows[0]["env_class"] == "envserve-sokoban"
+
+
+def test_tasks_of_an_unknown_split_fail_naming_the_splits(grid_server, tmp_path):
+    out = cli("tasks", "export", "sokoban", "--split", "nope", "--out", str(tmp_path / "x"), "--address",
+              grid_server.address)
+    assert out.returncode == 2 and "train" in out.stderr and "test" in out.stderr
+    assert not (tmp_path / "x").exists()
