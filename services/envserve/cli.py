@@ -102,6 +102,11 @@ def _server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--max-tasks-page", type=_positive, default=1000,
                    help="tasks one ListTasks page holds at most; a bigger page_size is cut to it "
                         "(default: %(default)s)")
+    p.add_argument("--stats-ttl-seconds", type=_seconds, default=7 * 24 * 3600.0,
+                   help="a task's episode statistics (GetTaskStats) are forgotten this long after its last "
+                        "recorded episode (default: %(default)s)")
+    p.add_argument("--stats-max-tasks", type=_positive, default=20_000,
+                   help="tasks one stats scope keeps; the least recently recorded go first (default: %(default)s)")
     p.add_argument("--max-message-bytes", type=_positive, default=64 * 1024 * 1024,
                    help="largest gRPC message received or sent (default: %(default)s)")
     p.add_argument("--max-batch-items", type=_positive, default=4096,
@@ -192,7 +197,8 @@ def _config(args, env_ids):
                         external_address=args.external_address, heartbeat_seconds=args.heartbeat_seconds,
                         heartbeat_on_change_seconds=args.heartbeat_on_change_seconds,
                         max_open_per_call=args.max_open_per_call, max_message_bytes=args.max_message_bytes,
-                        max_tasks_page=args.max_tasks_page,
+                        max_tasks_page=args.max_tasks_page, stats_ttl_seconds=args.stats_ttl_seconds,
+                        stats_max_tasks=args.stats_max_tasks,
                         max_batch_items=args.max_batch_items, max_stream_items=args.max_stream_items,
                         item_time_limit_seconds=args.item_time_limit, stuck_grace_seconds=args.stuck_grace,
                         orphan_sweep_seconds=args.orphan_sweep_seconds,

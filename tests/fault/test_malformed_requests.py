@@ -84,6 +84,8 @@ def _targets(server, judge):
         "Restore": pb.RestoreRequest(sessions=[pb.SessionHistory(
             env_id="frozenlake", seed=3, trial=0, episode=0,
             turns=[pb.ReplayTurn(action="<answer>Left</answer>")])]),
+        "ListTasks": pb.ListTasksRequest(env_id="frozenlake", split="test", page_size=3, page_token="3"),
+        "GetTaskStats": pb.GetTaskStatsRequest(env_id="frozenlake", scope="fuzz"),
         "GetState": pb.GetStateRequest(session_id=sid), "ListSessions": pb.ListSessionsRequest(),
         "Judge": pb.JudgeRequest(), "GetJudgeInfo": pb.GetJudgeInfoRequest(),
     }

@@ -83,6 +83,18 @@ def test_tasks_over_http_are_the_replicas_listing(http, replica_a):
     assert len(default["tasks"]) == 100 and default["tasks"][0]["split"] == "train"
 
 
+def test_episodes_of_a_scope_opened_over_http_are_counted(http):
+    sid = ok(http.post("/v1/sessions", json={"envId": "frozenlake", "count": 1, "statsScope": "http-run",
+                                             "config": {"max_turns": 1}}))["sessionIds"][0]
+    ok(http.post("/v1/reset", json={"items": [{"sessionId": sid, "seed": 12}]}))
+    ok(http.post("/v1/step", json={"items": [{"sessionId": sid, "action": MOVE.format("Left")}]}))
+    deadline = time.monotonic() + 60
+    while not (found := ok(http.get("/v1/envs/frozenlake/task-stats", params={"scope": "http-run"})).get("stats")):
+        assert time.monotonic() < deadline, "the episode was never counted"
+        time.sleep(0.25)
+    assert [(s["taskId"], s["episodes"]) for s in found] == [("12", "1")]   # int64 travels as a JSON string
+
+
 def test_session_opened_over_http_is_a_grpc_session(http, replica_a, replica_b):
     opened = ok(http.post("/v1/sessions", json={"envId": "sokoban", "count": 1, "actionFormat": "free_think",
                                                 "config": {"render_image": True}}))

@@ -46,7 +46,7 @@ def faulty_sokoban():
 def test_an_env_exception_fails_its_item_and_the_rest_of_the_batch_steps(faulty_sokoban):
     async def body(pool, h, deaths):
         ids = ["r/a", "r/b", "r/c"]
-        assert (await pool.call(h, "open", ("faulty_sokoban", {}, "no_think", ids)))[0] == "ok"
+        assert (await pool.call(h, "open", ("faulty_sokoban", {}, "no_think", ids, "")))[0] == "ok"
         await pool.call(h, "batch", [("reset", sid, k, "", "", False) for k, sid in enumerate(ids)])
         reply = await pool.call(h, "batch", [("step", "r/a", "<answer>Left</answer>"),
                                              ("step", "r/b", "<answer>Up</answer>"),
@@ -63,7 +63,7 @@ def test_an_env_exception_fails_its_item_and_the_rest_of_the_batch_steps(faulty_
 
 def test_an_exported_session_shares_nothing_with_its_parent():
     async def body(pool, h, _):
-        await pool.call(h, "open", ("sokoban", {}, "no_think", ["r/p"]))
+        await pool.call(h, "open", ("sokoban", {}, "no_think", ["r/p"], ""))
         await pool.call(h, "batch", [("reset", "r/p", 3, "", "", False)])
         status, blob = await pool.call(h, "export", "r/p")
         assert status == "ok"
@@ -81,7 +81,7 @@ def test_an_exported_session_shares_nothing_with_its_parent():
 def test_stream_answers_every_item_at_once():
     async def body(pool, h, _):
         ids = [f"r/{k}" for k in range(4)]
-        await pool.call(h, "open", ("sokoban", {}, "", ids))
+        await pool.call(h, "open", ("sokoban", {}, "", ids, ""))
         got = []
         pool.stream(h, [("reset", sid, k, "", "", False) for k, sid in enumerate(ids)], got.extend)
         assert sorted(i for i, _, _ in got) == [0, 1, 2, 3]
@@ -114,7 +114,7 @@ def test_a_close_still_frees_a_session_cycle_made_after_the_startup_objects_are_
         assert gc.get_freeze_count() > frozen_before
 
         async def body(pool, h, _):
-            assert (await pool.call(h, "open", ("cyclic_sokoban", {}, "no_think", ["r/c"])))[0] == "ok"
+            assert (await pool.call(h, "open", ("cyclic_sokoban", {}, "no_think", ["r/c"], "")))[0] == "ok"
             await pool.call(h, "batch", [("reset", "r/c", 1, "", "", False)])
             assert made and made[-1]() is not None
             assert await pool.call(h, "close", ["r/c"]) == [True]

@@ -23,7 +23,7 @@ def drive(workers, wait_s, body, request_wait_s=0.0):
         try:
             for w in pool.workers:
                 ids = [f"r/{w.slot}a", f"r/{w.slot}b"]
-                assert (await pool.call(w, "open", ("sokoban", {}, "no_think", ids)))[0] == "ok"
+                assert (await pool.call(w, "open", ("sokoban", {}, "no_think", ids, "")))[0] == "ok"
             # Resets sent at once, one request a session: no step is alone yet.
             await asyncio.gather(*[pool.call(w, "batch", [("reset", f"r/{w.slot}{x}", 3, "", "", False)])
                                    for w in pool.workers for x in "ab"])

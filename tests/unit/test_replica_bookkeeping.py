@@ -24,9 +24,9 @@ def test_the_sweep_closes_sessions_the_front_does_not_know():
             w = r.pool.workers[0]
             # Sessions a worker built for an Open whose record never came (its caller left, and
             # closing them failed): the worker holds them, the front does not know them.
-            assert (await r.pool.call(w, "open", ("frozenlake", {}, "", ["r/lost1", "r/lost2"])))[0] == "ok"
+            assert (await r.pool.call(w, "open", ("frozenlake", {}, "", ["r/lost1", "r/lost2"], "")))[0] == "ok"
             r.building.add("r/opening")   # one still being built is left alone
-            assert (await r.pool.call(w, "open", ("frozenlake", {}, "", ["r/opening"])))[0] == "ok"
+            assert (await r.pool.call(w, "open", ("frozenlake", {}, "", ["r/opening"], "")))[0] == "ok"
             assert await r.sweep_orphans() == 2
             assert sorted(await r.pool.call(w, "held", None)) == sorted([*ids, "r/opening"])
             assert await r.sweep_orphans() == 0

@@ -9,8 +9,9 @@ from envserve.v1 import envserve_pb2 as pb
 
 
 def open_request(env_id: str, count: int, config: Mapping[str, Any] | None, action_format: str,
-                 state_readers: Sequence[str] = ()) -> pb.OpenRequest:
-    req = pb.OpenRequest(env_id=env_id, count=count, action_format=action_format, state_readers=list(state_readers))
+                 state_readers: Sequence[str] = (), stats_scope: str = "") -> pb.OpenRequest:
+    req = pb.OpenRequest(env_id=env_id, count=count, action_format=action_format, state_readers=list(state_readers),
+                         stats_scope=stats_scope)
     if config:
         s = struct_pb2.Struct()
         s.update(dict(config))

@@ -98,6 +98,12 @@ class AddressDirectory(Directory):
     def record_moves(self, moves: "dict[str, str]", ttl_seconds: float) -> None:
         pass
 
+    def record_outcomes(self, scope, outcomes, ttl_seconds, max_tasks) -> None:
+        raise DirectoryUnavailable("fixed replica addresses keep no stats: give replicas a directory URL")
+
+    def task_stats(self, scope):
+        return {}   # each replica answers GetTaskStats from its own directory
+
     def moved_to(self, session_id: str) -> str | None:
         # No shared record of a drain's moves: a client rebuilds such a session from its history.
         return None

@@ -21,9 +21,10 @@ from .errors import EnvServeError, env_error, from_rpc_error, from_unary_error
 class AsyncEnvClient:
     def __init__(self, address: str, timeout: float | None = 60.0, token: str | None = None,
                  state_token: str | None = None, root_certificates: "bytes | str | None" = None,
-                 tls: bool = False, state_readers: Sequence[str] = ()):
+                 tls: bool = False, state_readers: Sequence[str] = (), stats_scope: str = ""):
         self.address = address
         self.state_readers = tuple(state_readers)  # see EnvClient
+        self.stats_scope = stats_scope
         self.timeout = timeout
         self.channel = make_channel(address, root_certificates, tls, aio=True)
         self.env = pb_grpc.EnvServiceStub(self.channel)
@@ -52,7 +53,7 @@ class AsyncEnvClient:
         """Open, returning the whole reply: ids, lease, the sessions' system prompt, the replica's load."""
         try:
             r = await self._call(self.env.Open, rq.open_request(env_id, count, config, action_format,
-                                                                self.state_readers))
+                                                                self.state_readers, self.stats_scope))
         except EnvServeError as e:
             raise env_error(e) from None
         seats.note_opened(r.session_ids, config)
@@ -72,6 +73,13 @@ class AsyncEnvClient:
         try:
             return await self._call(self.env.ListTasks, pb.ListTasksRequest(
                 env_id=env_id, split=split, page_size=page_size, page_token=page_token))
+        except EnvServeError as e:
+            raise env_error(e) from None
+
+    async def task_stats(self, env_id: str, scope: str | None = None) -> list[pb.TaskStat]:
+        try:
+            return list((await self._call(self.env.GetTaskStats, pb.GetTaskStatsRequest(
+                env_id=env_id, scope=self.stats_scope if scope is None else scope))).stats)
         except EnvServeError as e:
             raise env_error(e) from None
 

@@ -84,6 +84,13 @@ class AsyncRoutedClient(Router):
             raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"no live replica serves {env_id!r}")
         return await self.client_for(replicas[0]).list_tasks(env_id, split, page_size, page_token)
 
+    async def task_stats(self, env_id: str, scope: str | None = None) -> list[pb.TaskStat]:
+        replicas = await self._refresh(env_id)
+        if not replicas:
+            await asyncio.to_thread(self.check_served, env_id)
+            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"no live replica serves {env_id!r}")
+        return await self.client_for(replicas[0]).task_stats(env_id, scope)
+
     async def open_with_prompt(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
                                action_format: str = "") -> tuple[list[str], str]:
         """(session ids, their system prompt); the replicas of one env give the same prompt."""
@@ -128,7 +135,7 @@ class AsyncRoutedClient(Router):
             await self.close_sessions(opened)
             raise last_error or UnavailableError(
                 grpc.StatusCode.UNAVAILABLE, f"no live replica serving {env_id!r} has room for {count} sessions")
-        self.sessions.opened(opened, env_id, config, action_format, self.state_readers)
+        self.sessions.opened(opened, env_id, config, action_format, self.state_readers, self.stats_scope)
         return opened, prompt
 
     async def _fan_out(self, items: list, sid_of, call) -> list:

@@ -61,14 +61,17 @@ class EnvClient(ChannelOwner):
 
     token: the bearer token sessions are bound to. state_token: a separate token for StateService,
     where the replica requires one. state_readers: names of the replica's state tokens (a judge's)
-    that may read the ground truth of the sessions this client opens. root_certificates (PEM bytes
-    or path) or tls=True: TLS."""
+    that may read the ground truth of the sessions this client opens. stats_scope: a name (a training
+    run's) under which the replica records these sessions' finished episodes (task_stats).
+    root_certificates (PEM bytes or path) or tls=True: TLS."""
 
     def __init__(self, address: str, timeout: float | None = 60.0, channel: grpc.Channel | None = None,
                  token: str | None = None, state_token: str | None = None,
-                 root_certificates: "bytes | str | None" = None, tls: bool = False, state_readers: Sequence[str] = ()):
+                 root_certificates: "bytes | str | None" = None, tls: bool = False, state_readers: Sequence[str] = (),
+                 stats_scope: str = ""):
         self.address = address
         self.state_readers = tuple(state_readers)
+        self.stats_scope = stats_scope
         self.timeout = timeout
         self.channel = channel or make_channel(address, root_certificates, tls)
         self.env = pb_grpc.EnvServiceStub(self.channel)
@@ -99,6 +102,15 @@ class EnvClient(ChannelOwner):
         except EnvServeError as e:
             raise env_error(e) from None
 
+    def task_stats(self, env_id: str, scope: str | None = None) -> list[pb.TaskStat]:
+        """The finished episodes per task of a stats scope (default: this client's), as the replicas
+        sharing this one's directory recorded them."""
+        try:
+            return list(self._call(self.env.GetTaskStats, pb.GetTaskStatsRequest(
+                env_id=env_id, scope=self.stats_scope if scope is None else scope)).stats)
+        except EnvServeError as e:
+            raise env_error(e) from None
+
     def open(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
              action_format: str = "") -> list[str]:
         return list(self.open_sessions(env_id, count, config, action_format).session_ids)
@@ -107,7 +119,8 @@ class EnvClient(ChannelOwner):
                       action_format: str = "") -> pb.OpenResponse:
         """Open, returning the whole reply: ids, lease and the sessions' system prompt."""
         try:
-            r = self._call(self.env.Open, rq.open_request(env_id, count, config, action_format, self.state_readers))
+            r = self._call(self.env.Open, rq.open_request(env_id, count, config, action_format, self.state_readers,
+                                                                self.stats_scope))
         except EnvServeError as e:
             raise env_error(e) from None
         seats.note_opened(r.session_ids, config)

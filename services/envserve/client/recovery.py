@@ -50,6 +50,7 @@ class SessionLog:
     action_format: str
     seed: int | None = None
     state_readers: tuple = ()
+    stats_scope: str = ""
     trial: int = -1
     episode: int = -1
     reset_anchor: str = ""
@@ -66,7 +67,7 @@ class SessionLog:
         h = pb.SessionHistory(env_id=self.env_id, action_format=self.action_format, trial=self.trial,
                               episode=self.episode, reset_anchor=self.reset_anchor,
                               turns=[pb.ReplayTurn(action=a, anchor=n) for a, n in zip(self.actions, self.anchors)],
-                              state_readers=list(self.state_readers))
+                              state_readers=list(self.state_readers), stats_scope=self.stats_scope)
         if self.config:
             h.config.CopyFrom(rq.open_request("", 1, self.config, "").config)
         if self.seed is not None:
@@ -118,13 +119,14 @@ class SessionTable:
 
     # -- what the clients report -------------------------------------------------------------------
     def opened(self, ids, env_id: str, config: Mapping[str, Any] | None, action_format: str,
-               state_readers=()) -> None:
+               state_readers=(), stats_scope: str = "") -> None:
         if not self.enabled or sessions_per_table(config) > 1:
             return  # a seat at a table shares its game with another session: replaying one alone cannot rebuild it
         cfg = dict(config) if config else None
         with self._lock:
             for sid in ids:
-                self._logs[sid] = SessionLog(env_id, cfg, action_format, state_readers=tuple(state_readers))
+                self._logs[sid] = SessionLog(env_id, cfg, action_format, state_readers=tuple(state_readers),
+                                             stats_scope=stats_scope)
             self._opened += len(ids)
             if self._opened >= 1024:
                 self._opened = 0

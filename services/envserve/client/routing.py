@@ -94,12 +94,14 @@ class Router:
                  root_certificates: "bytes | str | None" = None, tls: bool = False, use_external: bool = False,
                  timeout: float | None = 60.0, refresh_seconds: float = 1.0, max_open_per_call: int = 4096,
                  retire_after_seconds: float = 120.0,
-                 recovery: "RecoverySettings | bool" = True, state_readers: Sequence[str] = ()):
+                 recovery: "RecoverySettings | bool" = True, state_readers: Sequence[str] = (),
+                 stats_scope: str = ""):
         self.directory = directory_for(directory, token, root_certificates, tls)
         self._owns_directory = self.directory is not directory
         self.state_readers = tuple(state_readers)
+        self.stats_scope = stats_scope
         self.client_kw = dict(token=token, state_token=state_token, root_certificates=root_certificates,
-                              tls=tls, timeout=timeout, state_readers=self.state_readers)
+                              tls=tls, timeout=timeout, state_readers=self.state_readers, stats_scope=stats_scope)
         self.use_external = use_external
         self.refresh_seconds = refresh_seconds
         self.max_open_per_call = max_open_per_call
@@ -504,7 +506,7 @@ class RoutedClient(Router):
                 stub = self.client_for(r)
                 for start in range(0, n, per_call):
                     k = min(per_call, n - start)
-                    req = rq.open_request(env_id, k, config, action_format, self.state_readers)
+                    req = rq.open_request(env_id, k, config, action_format, self.state_readers, self.stats_scope)
                     calls.append((rid, k, stub.env.Open.future(req, timeout=stub.timeout, metadata=stub.metadata)))
             try:
                 for rid, k, fut in calls:
@@ -534,7 +536,7 @@ class RoutedClient(Router):
                 raise last_error
             raise UnavailableError(grpc.StatusCode.UNAVAILABLE,
                                    f"no live replica serving {env_id!r} has room for {count} sessions")
-        self.sessions.opened(opened, env_id, config, action_format, self.state_readers)
+        self.sessions.opened(opened, env_id, config, action_format, self.state_readers, self.stats_scope)
         seats.note_opened(opened, config)
         return pb.OpenResponse(session_ids=opened, lease_seconds=lease, system_prompt=prompt)
 
@@ -679,6 +681,14 @@ class RoutedClient(Router):
         if not candidates:
             raise make_error(grpc.StatusCode.NOT_FOUND, f"no live replica serves {env_id!r}")
         return self.client_for(candidates[0]).list_tasks(env_id, split, page_size, page_token)
+
+    def task_stats(self, env_id: str, scope: str | None = None) -> list[pb.TaskStat]:
+        """A stats scope's finished episodes per task, from any replica serving the env (with a
+        shared directory, they all read the same table)."""
+        candidates = self.replicas(env_id)
+        if not candidates:
+            raise make_error(grpc.StatusCode.NOT_FOUND, f"no live replica serves {env_id!r}")
+        return self.client_for(candidates[0]).task_stats(env_id, scope)
 
     def close(self) -> None:
         for c in self._clients.values():

@@ -227,12 +227,13 @@ class StreamingClient:
     def __init__(self, target: "str | Sequence[str]", token: str | None = None, state_token: str | None = None,
                  root_certificates: "bytes | str | None" = None, tls: bool = False, timeout: float | None = 60.0,
                  recovery: "RecoverySettings | bool" = True, stream_steps: bool = True,
-                 use_external: bool = False, state_readers: Sequence[str] = ()):
+                 use_external: bool = False, state_readers: Sequence[str] = (), stats_scope: str = ""):
         self.target = target
         self.timeout = timeout
         self.stream_steps = stream_steps
         self._kw = dict(token=token, state_token=state_token, root_certificates=root_certificates, tls=tls,
-                        timeout=timeout, recovery=recovery, use_external=use_external, state_readers=state_readers)
+                        timeout=timeout, recovery=recovery, use_external=use_external, state_readers=state_readers,
+                        stats_scope=stats_scope)
         self._lock = threading.Lock()
         self._pid = -1
         self._client: AsyncRoutedClient | None = None
@@ -580,6 +581,9 @@ class StreamingClient:
 
     def list_tasks(self, env_id: str, split: str = "", page_size: int = 0, page_token: str = "") -> pb.ListTasksResponse:
         return self._run(AsyncRoutedClient.list_tasks, env_id, split, page_size, page_token)
+
+    def task_stats(self, env_id: str, scope: str | None = None) -> list[pb.TaskStat]:
+        return self._run(AsyncRoutedClient.task_stats, env_id, scope)
 
     def replica_of(self, session_id: str) -> str:
         """The replica id holding a caller's session now (it changes when the session is rebuilt)."""

@@ -43,6 +43,23 @@ class ReplicaInfo:
         return cls(**known)
 
 
+@dataclass
+class TaskOutcomes:
+    """The finished episodes of one task in one stats scope, summed."""
+    episodes: int = 0
+    successes: int = 0
+    return_sum: float = 0.0
+    turns_sum: int = 0
+    last_unix: float = 0.0
+
+    def add(self, other: "TaskOutcomes") -> None:
+        self.episodes += other.episodes
+        self.successes += other.successes
+        self.return_sum += other.return_sum
+        self.turns_sum += other.turns_sum
+        self.last_unix = max(self.last_unix, other.last_unix)
+
+
 def replica_of(session_id: str) -> str:
     """The replica id a session id names (`<replica_id>/<token>`)."""
     replica_id, sep, _ = session_id.rpartition("/")
@@ -84,6 +101,16 @@ class Directory(ABC):
     @abstractmethod
     def moved_to(self, session_id: str) -> str | None:
         """The id a session was moved to by a draining replica, or None."""
+
+    @abstractmethod
+    def record_outcomes(self, scope: str, outcomes: "dict[str, TaskOutcomes]", ttl_seconds: float,
+                        max_tasks: int) -> None:
+        """Adds finished episodes to a scope's per-task sums. A task not recorded for ttl_seconds is
+        forgotten, and a scope keeps its max_tasks most recently recorded tasks."""
+
+    @abstractmethod
+    def task_stats(self, scope: str) -> "dict[str, TaskOutcomes]":
+        """A scope's per-task sums (task id -> outcomes), without the forgotten ones."""
 
     def close(self) -> None:
         pass

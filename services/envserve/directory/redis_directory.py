@@ -2,6 +2,10 @@
   {p}:replica:{id}  the ReplicaInfo JSON, expiring ttl after the last heartbeat
   {p}:replicas      a sorted set of replica ids scored by expiry time, the index to read them by
   {p}:moved:{session id}  the id a draining replica moved that session to, expiring after a lease
+  {p}:stats:{scope}       a stats scope's per-task sums: fields n:|s:|r:|t:{task id} (episodes,
+                          successes, return, turns) and _ttl; {p}:stats-seen:{scope} scores each
+                          task by when it was last recorded. Both expire a TTL after the last write;
+                          stale and surplus tasks are pruned at each write.
 The per-replica key's TTL is the truth; the index is pruned as entries expire. Nothing else is
 stored that heartbeats do not rewrite, so a restarted (empty) Redis is whole again after one period
 (a move record lost with it leaves its client to rebuild the session from its own history).
@@ -13,7 +17,7 @@ from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import redis
 
-from .base import Directory, DirectoryUnavailable, ReplicaInfo
+from .base import Directory, DirectoryUnavailable, ReplicaInfo, TaskOutcomes
 
 
 class RedisDirectory(Directory):
@@ -101,6 +105,54 @@ class RedisDirectory(Directory):
         except redis.RedisError as e:
             raise DirectoryUnavailable(f"redis: {e}") from e
         return v.decode() if v is not None else None
+
+    def record_outcomes(self, scope: str, outcomes: dict[str, TaskOutcomes], ttl_seconds: float,
+                        max_tasks: int) -> None:
+        sums, seen = f"{self.prefix}:stats:{scope}", f"{self.prefix}:stats-seen:{scope}"
+        ttl_ms = max(1, int(ttl_seconds * 1000))
+        try:
+            pipe = self.client.pipeline(transaction=True)
+            for task_id, o in outcomes.items():
+                pipe.hincrby(sums, f"n:{task_id}", o.episodes)
+                pipe.hincrby(sums, f"s:{task_id}", o.successes)
+                pipe.hincrbyfloat(sums, f"r:{task_id}", o.return_sum)
+                pipe.hincrby(sums, f"t:{task_id}", o.turns_sum)
+                pipe.zadd(seen, {task_id: o.last_unix}, gt=True)
+            pipe.hset(sums, "_ttl", ttl_seconds)
+            pipe.pexpire(sums, ttl_ms)
+            pipe.pexpire(seen, ttl_ms)
+            pipe.zrangebyscore(seen, "-inf", f"({time.time() - ttl_seconds}")
+            pipe.zcard(seen)
+            *_, stale, count = pipe.execute()
+            drop = [t.decode() for t in stale]
+            if count - len(drop) > max_tasks:
+                oldest = self.client.zrange(seen, 0, count - max_tasks - 1)
+                drop = sorted(set(drop) | {t.decode() for t in oldest})
+            if drop:
+                pipe = self.client.pipeline(transaction=True)
+                pipe.hdel(sums, *[f"{k}:{t}" for t in drop for k in "nsrt"])
+                pipe.zrem(seen, *drop)
+                pipe.execute()
+        except redis.RedisError as e:
+            raise DirectoryUnavailable(f"redis: {e}") from e
+
+    def task_stats(self, scope: str) -> dict[str, TaskOutcomes]:
+        try:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hgetall(f"{self.prefix}:stats:{scope}")
+            pipe.zrange(f"{self.prefix}:stats-seen:{scope}", 0, -1, withscores=True)
+            fields, seen = pipe.execute()
+        except redis.RedisError as e:
+            raise DirectoryUnavailable(f"redis: {e}") from e
+        values = {k.decode(): v for k, v in fields.items()}
+        oldest = time.time() - float(values.get("_ttl", 0))
+        out = {}
+        for task, last in seen:
+            t = task.decode()
+            if last >= oldest and f"n:{t}" in values:
+                out[t] = TaskOutcomes(int(values[f"n:{t}"]), int(values.get(f"s:{t}", 0)),
+                                      float(values.get(f"r:{t}", 0)), int(values.get(f"t:{t}", 0)), last)
+        return out
 
     def close(self) -> None:
         self.client.close()

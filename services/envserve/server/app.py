@@ -50,6 +50,7 @@ def add_env_service(servicer: EnvService, server: grpc.aio.Server) -> None:
         "Close": unary(servicer.Close, pb.CloseRequest),
         "Restore": unary(servicer.Restore, pb.RestoreRequest),
         "ListTasks": unary(servicer.ListTasks, pb.ListTasksRequest),
+        "GetTaskStats": unary(servicer.GetTaskStats, pb.GetTaskStatsRequest),
     }
     missing = set(pb.DESCRIPTOR.services_by_name["EnvService"].methods_by_name) - set(handlers)
     assert not missing, f"EnvService methods without a handler: {missing}"
@@ -78,6 +79,7 @@ class ReplicaServer:
         self.directory: Directory | None = None
         self.started_unix = time.time()
         self._heartbeat: asyncio.Task | None = None
+        self._stats_flush: asyncio.Task | None = None
         # Directory writes run in threads that outlive a cancelled await: the lock and the flag keep
         # a heartbeat already under way from rewriting the record after deregistration removed it.
         self._directory_lock = threading.Lock()
@@ -116,8 +118,10 @@ class ReplicaServer:
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.directory = open_directory(self.config.directory_url)
+        self.replica.directory = self.directory
         await self._beat()
         self._heartbeat = asyncio.get_running_loop().create_task(self._heartbeat_loop())
+        self._stats_flush = asyncio.get_running_loop().create_task(self._stats_loop())
         return self.port
 
     def replica_info(self) -> ReplicaInfo:
@@ -170,6 +174,25 @@ class ReplicaServer:
                 log.exception("heartbeat failed")
             last, beaten = now, time.monotonic()
 
+    async def _stats_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.stats_flush_seconds)
+            await self.flush_stats()
+
+    async def flush_stats(self) -> None:
+        """Sends the episodes finished since the last flush to the directory (GetTaskStats). What
+        the directory cannot take now is dropped, with a warning: statistics guide sampling, they
+        are not a ledger."""
+        try:
+            found = await self.replica.collect_outcomes()
+            for key, outcomes in found.items():
+                await asyncio.to_thread(self.directory.record_outcomes, key, outcomes,
+                                        self.config.stats_ttl_seconds, self.config.stats_max_tasks)
+        except DirectoryUnavailable as e:
+            log.warning("episode statistics not recorded: %s", e)
+        except Exception:
+            log.exception("episode statistics not recorded")
+
     def _counted(self) -> tuple[int, bool]:
         return len(self.replica.sessions), self.replica.draining
 
@@ -219,6 +242,9 @@ class ReplicaServer:
     async def stop(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
+        if self._stats_flush is not None:
+            self._stats_flush.cancel()
+            await self.flush_stats()   # the episodes finished since the last flush
         if self.directory is not None:
             try:
                 await asyncio.wait_for(asyncio.to_thread(self._deregister), 3)

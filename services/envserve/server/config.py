@@ -30,6 +30,11 @@ class ServerConfig:
     # when the caller names none.
     max_tasks_page: int = 1000
     default_tasks_page: int = 100
+    # Outcome statistics (GetTaskStats): how often finished episodes go to the directory, how long
+    # a task unseen is remembered, and how many tasks one scope keeps (the least recent go first).
+    stats_flush_seconds: float = 2.0
+    stats_ttl_seconds: float = 7 * 24 * 3600.0
+    stats_max_tasks: int = 20_000
     # Items of one Step, Reset, Close or InteractRequest at most (a bigger call is INVALID_ARGUMENT).
     max_batch_items: int = 4096
     # Items of one Interact stream in flight or answered but not yet read by its client; past this

@@ -79,6 +79,7 @@ def history_to_proto(h: dict) -> pb.SessionHistory:
     msg.config.CopyFrom(to_struct(h["config"]))
     if h["seed"] is not None:
         msg.seed = int(h["seed"])
+    msg.stats_scope = h.get("stats_scope", "")
     return msg
 
 

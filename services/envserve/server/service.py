@@ -14,12 +14,13 @@ from envserve.core import tasks
 from envserve.core.env import resolve_config
 from envserve.core.registry import get_env_class
 from envserve.core.session import full_spec
+from envserve.directory import DirectoryUnavailable
 from envserve.rpc.auth import Authenticator, Denied, Reader
 from envserve.rpc.values import code_number
 from envserve.v1 import envserve_pb2 as pb
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
 
-from . import convert
+from . import convert, stats
 from .config import ServerConfig
 from .metrics import Metrics
 from .pool import WorkerHandle, WorkerLost, WorkerPool
@@ -85,6 +86,9 @@ class Replica:
         # Wake-ups of the open Interact streams, so a drain can end the idle ones at once.
         self.streams: set[asyncio.Event] = set()
         self.tables = Tables(self)
+        # Where finished episodes' statistics go and GetTaskStats reads them (the replica's
+        # directory, set by the server once it is open).
+        self.directory = None
 
     async def start(self, replica_id: str) -> None:
         self.replica_id = replica_id
@@ -207,6 +211,14 @@ class Replica:
                     await self.sweep_orphans()
             except Exception:
                 log.exception("reaper failed")
+
+    async def collect_outcomes(self) -> dict:
+        """The episodes the workers finished since the last collection, summed per stats key and
+        task (server/stats.py)."""
+        workers = self.pool.alive_workers()
+        replies = await asyncio.gather(*[self.pool.call(w, "outcomes", None) for w in workers],
+                                       return_exceptions=True)
+        return stats.aggregate(r for reply in replies if isinstance(reply, list) for r in reply)
 
     async def sweep_orphans(self) -> int:
         """Closes the sessions a worker holds that the front does not know (their Open's caller
@@ -385,7 +397,7 @@ class Replica:
             raise Refused(e.code, e.message) from None
 
     async def open(self, env_id: str, count: int, config: dict, action_format: str,
-                   owner: str = "", state_readers=()) -> tuple[list[str], str]:
+                   owner: str = "", state_readers=(), stats_scope: str = "") -> tuple[list[str], str]:
         """Opens count sessions of env_id (0: one) spread over the workers: (ids, system prompt).
         Raises Refused with the gRPC status the Open call answers."""
         if self.draining:
@@ -408,6 +420,10 @@ class Replica:
         except ValueError as e:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         readers = self.readers_for(owner, state_readers)
+        try:
+            key = stats.stats_key(owner, env_id, stats_scope)
+        except stats.BadScope as e:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         self.admit(owner, count)
         workers = self.pick_workers(count)
         if not workers:
@@ -418,7 +434,7 @@ class Replica:
             plan: dict[int, tuple[WorkerHandle, list[str]]] = {}
             for sid, w in zip(ids, workers):
                 plan.setdefault(w.slot, (w, []))[1].append(sid)
-            replies = await self.build([(w, sids, "open", (env_id, config, action_format, sids))
+            replies = await self.build([(w, sids, "open", (env_id, config, action_format, sids, key))
                                         for w, sids in plan.values()])
             failure, prompt = None, ""
             for (w, sids), reply in zip(plan.values(), replies):
@@ -570,12 +586,33 @@ class EnvService(pb_grpc.EnvServiceServicer):
         return pb.ListTasksResponse(tasks=[convert.task_to_proto(t) for t in page], total=total,
                                     next_page_token="" if next_start is None else str(next_start))
 
+    async def GetTaskStats(self, request, context):
+        owner = await caller(context, self.r.auth.env_owner)
+        if request.env_id not in self.r.specs:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"env {request.env_id!r} is not served here; served: {self.r.env_ids}")
+        try:
+            key = stats.stats_key(owner, request.env_id, request.scope)
+        except stats.BadScope as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if not key:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name the stats scope the sessions were opened with")
+        if self.r.directory is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the replica's directory is not open yet")
+        try:
+            found = await asyncio.to_thread(self.r.directory.task_stats, key)
+        except DirectoryUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the directory cannot be read: {e}")
+        return pb.TaskStatsResponse(stats=[
+            pb.TaskStat(task_id=t, episodes=o.episodes, successes=o.successes, return_sum=o.return_sum,
+                        turns_sum=o.turns_sum, last_unix=o.last_unix) for t, o in sorted(found.items())])
+
     async def Open(self, request, context):
         owner = await caller(context, self.r.auth.env_owner)
         config = convert.config_from_proto(request)
         try:
             ids, prompt = await self.r.open(request.env_id, request.count, config, request.action_format, owner,
-                                            request.state_readers)
+                                            request.state_readers, request.stats_scope)
         except Refused as e:
             await context.abort(e.code, e.message)
         return pb.OpenResponse(session_ids=ids, lease_seconds=self.r.config.lease_seconds, system_prompt=prompt,
@@ -898,6 +935,7 @@ class EnvService(pb_grpc.EnvServiceServicer):
             try:
                 readers[i] = r.readers_for(owner, h.state_readers)
                 history = convert.history_from_proto(h)
+                history["stats_key"] = stats.stats_key(owner, h.env_id, h.stats_scope)
             except Refused as e:
                 refuse(i, e.code.name, e.message)
                 continue

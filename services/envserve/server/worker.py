@@ -17,6 +17,7 @@ worker that stays busy past the limit and its grace (pool.WorkerPool.kill_stuck)
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import gc
 import os
@@ -26,7 +27,7 @@ import traceback
 
 from envserve.core.registry import get_env_class
 from envserve.core.session import Session, SessionError
-from envserve.server import convert
+from envserve.server import convert, stats
 
 # The array a worker shares with its front, one int64 a slot: the request the worker is on and the
 # item of it, whether that item's env may be stopped part way; the item the front asks to stop and
@@ -42,6 +43,9 @@ STREAM_COALESCE_SECONDS = 0.0005
 # After a wait for the next request outlasts its window, this many hinted requests are answered
 # without waiting before the worker tries again.
 NEXT_REQUEST_WAIT_BACKOFF = 32
+# Finished episodes a worker keeps for the front's next collection (GetTaskStats); older ones are
+# dropped if the front falls this far behind.
+OUTCOMES_KEPT = 10_000
 
 
 def _malloc_trim() -> None:
@@ -140,10 +144,14 @@ class Worker:
         # (a 128 px grid PNG is about 0.7 KB against 49 KB raw).
         self.images: dict[str, bytes] = {}
         self.guard = guard or WorkGuard()
+        # Sessions whose finished episodes are recorded: id -> stats key (server/stats.py), and the
+        # episodes finished since the front last collected them.
+        self.stats_keys: dict[str, str] = {}
+        self.outcomes: collections.deque = collections.deque(maxlen=OUTCOMES_KEPT)
 
     # Each op returns what the front receives; per-item ops return serialized StepResults.
     def op_open(self, payload):
-        env_id, config, action_format, ids = payload
+        env_id, config, action_format, ids, stats_key = payload
         made = {}
         guard = self.guard
         try:
@@ -160,6 +168,8 @@ class Worker:
                 s.close()
             return ("error", e.code, e.message)
         self.sessions.update(made)
+        if stats_key:
+            self.stats_keys.update(dict.fromkeys(made, stats_key))
         return ("ok", next(iter(made.values())).system_prompt() if made else "")
 
     def run_item(self, item, index: int = 0) -> bytes:
@@ -175,6 +185,9 @@ class Worker:
         try:
             result = session.step(item[2]) if item[0] == "step" else session.reset(*item[2:])
             guard.end()
+            if session.done and item[0] == "step" and sid in self.stats_keys:
+                self.outcomes.append((self.stats_keys[sid], str(session.seed), session.success,
+                                      session.episode_return, session.turn, time.time()))
             image = convert.image_of(result)
             if image is not None:
                 self.images[sid] = image
@@ -212,6 +225,7 @@ class Worker:
         for sid in ids:
             s = self.sessions.pop(sid, None)
             self.images.pop(sid, None)
+            self.stats_keys.pop(sid, None)
             found.append(s is not None)
             if s is not None:
                 try:
@@ -266,8 +280,14 @@ class Worker:
 
     def op_histories(self, sids):
         """[(sid, Session.replay_record() or None when the session is not here)]."""
-        return [(sid, s.replay_record() if (s := self.sessions.get(sid)) is not None and not s.broken else None)
-                for sid in sids]
+        out = []
+        for sid in sids:
+            s = self.sessions.get(sid)
+            record = s.replay_record() if s is not None and not s.broken else None
+            if record is not None and sid in self.stats_keys:
+                record["stats_scope"] = stats.scope_of_key(self.stats_keys[sid])
+            out.append((sid, record))
+        return out
 
     def op_restore(self, items):
         """[(sid, history)] -> [("ok", anchor) or ("error", code, message)], one per item: each
@@ -296,6 +316,8 @@ class Worker:
                 out.append(("error", "INTERNAL", f"restore failed: {type(e).__name__}: {e}"))
                 continue
             self.sessions[sid] = s
+            if h.get("stats_key"):
+                self.stats_keys[sid] = h["stats_key"]
             out.append(("ok", s.anchor))
         return out
 
@@ -320,6 +342,13 @@ class Worker:
 
     def op_ping(self, payload):
         return os.getpid()
+
+    def op_outcomes(self, payload):
+        """The episodes finished since the last call: [(stats key, task id, success, return, turns,
+        unix)]."""
+        out = list(self.outcomes)
+        self.outcomes.clear()
+        return out
 
     def op_held(self, payload):
         """The ids of every session held here (the front closes those it does not know)."""

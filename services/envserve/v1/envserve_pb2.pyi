@@ -109,6 +109,36 @@ class Task(_message.Message):
     seed: int
     def __init__(self, task_id: _Optional[str] = ..., split: _Optional[str] = ..., description: _Optional[str] = ..., task_type: _Optional[str] = ..., parameters: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
 
+class GetTaskStatsRequest(_message.Message):
+    __slots__ = ("env_id", "scope")
+    ENV_ID_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    env_id: str
+    scope: str
+    def __init__(self, env_id: _Optional[str] = ..., scope: _Optional[str] = ...) -> None: ...
+
+class TaskStat(_message.Message):
+    __slots__ = ("task_id", "episodes", "successes", "return_sum", "turns_sum", "last_unix")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_FIELD_NUMBER: _ClassVar[int]
+    SUCCESSES_FIELD_NUMBER: _ClassVar[int]
+    RETURN_SUM_FIELD_NUMBER: _ClassVar[int]
+    TURNS_SUM_FIELD_NUMBER: _ClassVar[int]
+    LAST_UNIX_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    episodes: int
+    successes: int
+    return_sum: float
+    turns_sum: int
+    last_unix: float
+    def __init__(self, task_id: _Optional[str] = ..., episodes: _Optional[int] = ..., successes: _Optional[int] = ..., return_sum: _Optional[float] = ..., turns_sum: _Optional[int] = ..., last_unix: _Optional[float] = ...) -> None: ...
+
+class TaskStatsResponse(_message.Message):
+    __slots__ = ("stats",)
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    stats: _containers.RepeatedCompositeFieldContainer[TaskStat]
+    def __init__(self, stats: _Optional[_Iterable[_Union[TaskStat, _Mapping]]] = ...) -> None: ...
+
 class ListTasksResponse(_message.Message):
     __slots__ = ("tasks", "total", "next_page_token")
     TASKS_FIELD_NUMBER: _ClassVar[int]
@@ -120,18 +150,20 @@ class ListTasksResponse(_message.Message):
     def __init__(self, tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ..., total: _Optional[int] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("env_id", "count", "config", "action_format", "state_readers")
+    __slots__ = ("env_id", "count", "config", "action_format", "state_readers", "stats_scope")
     ENV_ID_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     ACTION_FORMAT_FIELD_NUMBER: _ClassVar[int]
     STATE_READERS_FIELD_NUMBER: _ClassVar[int]
+    STATS_SCOPE_FIELD_NUMBER: _ClassVar[int]
     env_id: str
     count: int
     config: _struct_pb2.Struct
     action_format: str
     state_readers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, env_id: _Optional[str] = ..., count: _Optional[int] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., action_format: _Optional[str] = ..., state_readers: _Optional[_Iterable[str]] = ...) -> None: ...
+    stats_scope: str
+    def __init__(self, env_id: _Optional[str] = ..., count: _Optional[int] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., action_format: _Optional[str] = ..., state_readers: _Optional[_Iterable[str]] = ..., stats_scope: _Optional[str] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
     __slots__ = ("session_ids", "lease_seconds", "system_prompt", "live_sessions", "counted_unix")
@@ -322,7 +354,7 @@ class ReplayTurn(_message.Message):
     def __init__(self, action: _Optional[str] = ..., anchor: _Optional[str] = ...) -> None: ...
 
 class SessionHistory(_message.Message):
-    __slots__ = ("env_id", "config", "action_format", "seed", "trial", "episode", "reset_anchor", "turns", "state_readers")
+    __slots__ = ("env_id", "config", "action_format", "seed", "trial", "episode", "reset_anchor", "turns", "state_readers", "stats_scope")
     ENV_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     ACTION_FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -332,6 +364,7 @@ class SessionHistory(_message.Message):
     RESET_ANCHOR_FIELD_NUMBER: _ClassVar[int]
     TURNS_FIELD_NUMBER: _ClassVar[int]
     STATE_READERS_FIELD_NUMBER: _ClassVar[int]
+    STATS_SCOPE_FIELD_NUMBER: _ClassVar[int]
     env_id: str
     config: _struct_pb2.Struct
     action_format: str
@@ -341,7 +374,8 @@ class SessionHistory(_message.Message):
     reset_anchor: str
     turns: _containers.RepeatedCompositeFieldContainer[ReplayTurn]
     state_readers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, env_id: _Optional[str] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., action_format: _Optional[str] = ..., seed: _Optional[int] = ..., trial: _Optional[int] = ..., episode: _Optional[int] = ..., reset_anchor: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[ReplayTurn, _Mapping]]] = ..., state_readers: _Optional[_Iterable[str]] = ...) -> None: ...
+    stats_scope: str
+    def __init__(self, env_id: _Optional[str] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., action_format: _Optional[str] = ..., seed: _Optional[int] = ..., trial: _Optional[int] = ..., episode: _Optional[int] = ..., reset_anchor: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[ReplayTurn, _Mapping]]] = ..., state_readers: _Optional[_Iterable[str]] = ..., stats_scope: _Optional[str] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
     __slots__ = ("sessions",)

@@ -85,6 +85,11 @@ class EnvServiceStub:
                 request_serializer=envserve_dot_v1_dot_envserve__pb2.ListTasksRequest.SerializeToString,
                 response_deserializer=envserve_dot_v1_dot_envserve__pb2.ListTasksResponse.FromString,
                 _registered_method=True)
+        self.GetTaskStats = channel.unary_unary(
+                '/envserve.v1.EnvService/GetTaskStats',
+                request_serializer=envserve_dot_v1_dot_envserve__pb2.GetTaskStatsRequest.SerializeToString,
+                response_deserializer=envserve_dot_v1_dot_envserve__pb2.TaskStatsResponse.FromString,
+                _registered_method=True)
 
 
 class EnvServiceServicer:
@@ -162,6 +167,15 @@ class EnvServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTaskStats(self, request, context):
+        """Outcomes of the finished episodes of a stats scope (OpenRequest.stats_scope) per task, as the
+        replicas sharing this one's directory recorded them: where a sampler finds what the agent can
+        learn. A caller reads only the scopes its own token recorded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EnvServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -214,6 +228,11 @@ def add_EnvServiceServicer_to_server(servicer, server):
                     servicer.ListTasks,
                     request_deserializer=envserve_dot_v1_dot_envserve__pb2.ListTasksRequest.FromString,
                     response_serializer=envserve_dot_v1_dot_envserve__pb2.ListTasksResponse.SerializeToString,
+            ),
+            'GetTaskStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTaskStats,
+                    request_deserializer=envserve_dot_v1_dot_envserve__pb2.GetTaskStatsRequest.FromString,
+                    response_serializer=envserve_dot_v1_dot_envserve__pb2.TaskStatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -487,6 +506,33 @@ class EnvService:
             '/envserve.v1.EnvService/ListTasks',
             envserve_dot_v1_dot_envserve__pb2.ListTasksRequest.SerializeToString,
             envserve_dot_v1_dot_envserve__pb2.ListTasksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTaskStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/envserve.v1.EnvService/GetTaskStats',
+            envserve_dot_v1_dot_envserve__pb2.GetTaskStatsRequest.SerializeToString,
+            envserve_dot_v1_dot_envserve__pb2.TaskStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

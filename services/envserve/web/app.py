@@ -186,6 +186,14 @@ def create_app(directory_url: str = "", replicas=(), root_certificates: bytes | 
         req = pb.ListTasksRequest(env_id=env_id, split=split, page_size=page_size, page_token=page_token)
         return to_json(await table.stubs(serving[0]).env.ListTasks(req, timeout=timeout, metadata=md))
 
+    @app.get("/v1/envs/{env_id}/task-stats")
+    async def task_stats(env_id: str, request: Request, scope: str = Query("", max_length=256)):
+        """GetTaskStats for the caller's token: a stats scope's finished episodes per task."""
+        md = _forwarded(request)
+        serving = await gateway.serving(env_id, md)
+        return to_json(await table.stubs(serving[0]).env.GetTaskStats(
+            pb.GetTaskStatsRequest(env_id=env_id, scope=scope), timeout=timeout, metadata=md))
+
     @app.post("/v1/sessions")
     async def open_sessions(request: Request):
         """OpenRequest -> OpenResponse, on the least-loaded replica serving the env (all sessions of

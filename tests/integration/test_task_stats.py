@@ -1,0 +1,94 @@
+"""Outcome statistics: finished episodes of sessions opened with a stats scope, summed per task in
+the replicas' directory (the in-process one, or a real redis-server shared by two replicas), read by
+GetTaskStats only with the token that recorded them."""
+import time
+
+import pytest
+
+from envserve.client import EnvClient, RoutedClient
+from envserve.directory.base import TaskOutcomes
+from envserve.directory.memory import MemoryDirectory
+from envserve.directory.redis_directory import RedisDirectory
+from serverproc import ServerProcess, start_together
+
+LEFT = "<answer>Left</answer>"
+
+
+def finish_episodes(client, env_id: str, seeds, per_seed: int = 1) -> None:
+    """Episodes of one turn each (max_turns 1), on the given seeds."""
+    sids = client.open(env_id, per_seed, {"max_turns": 1})
+    for seed in seeds:
+        for sid in sids:
+            client.reset_one(sid, seed=seed)
+            client.step_one(sid, LEFT)
+    client.close_sessions(sids)
+
+
+def stats_when(client, env_id: str, episodes: int, scope=None, timeout: float = 60) -> dict:
+    """The scope's stats once they count `episodes` (replicas flush every 2 s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = {t.task_id: t for t in client.task_stats(env_id, scope)}
+        if sum(t.episodes for t in found.values()) >= episodes or time.monotonic() > deadline:
+            return found
+        time.sleep(0.25)
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_a_directory_sums_outcomes_forgets_stale_tasks_and_keeps_the_most_recent(kind, redis_server):
+    d = MemoryDirectory() if kind == "memory" else RedisDirectory.from_url(redis_server.url)
+    now = time.time()
+    d.record_outcomes("s", {"1": TaskOutcomes(2, 1, 3.0, 10, now), "2": TaskOutcomes(1, 0, -1.0, 5, now)}, 3600, 3)
+    d.record_outcomes("s", {"1": TaskOutcomes(1, 1, 2.0, 4, now + 1)}, 3600, 3)
+    got = d.task_stats("s")
+    assert got["1"] == TaskOutcomes(3, 2, 5.0, 14, pytest.approx(now + 1)) and got["2"].episodes == 1
+    # Past max_tasks the least recently recorded go; past the TTL, stale ones.
+    d.record_outcomes("s", {"3": TaskOutcomes(1, 0, 0.0, 1, now + 2), "4": TaskOutcomes(1, 0, 0.0, 1, now + 3)}, 3600, 3)
+    assert set(d.task_stats("s")) == {"1", "3", "4"}
+    d.record_outcomes("s", {"5": TaskOutcomes(1, 1, 1.0, 1, now + 4)}, 3600, 10)
+    d.record_outcomes("old", {"x": TaskOutcomes(1, 0, 0.0, 1, now - 100)}, 50, 10)
+    assert d.task_stats("old") == {} and set(d.task_stats("s")) == {"1", "3", "4", "5"}
+    assert d.task_stats("never") == {}
+    d.close()
+
+
+def test_episodes_on_two_replicas_behind_redis_appear_in_one_table(redis_server):
+    a, b = start_together(*[lambda rid=rid: ServerProcess(["frozenlake"], workers=1, metrics=False, extra=[
+        "--directory", redis_server.url, "--replica-id", rid]) for rid in ("stats-a", "stats-b")])
+    with a, b:
+        with EnvClient(a.address, stats_scope="run-7") as on_a, EnvClient(b.address, stats_scope="run-7") as on_b:
+            finish_episodes(on_a, "frozenlake", [1, 2])
+            finish_episodes(on_b, "frozenlake", [2, 3], per_seed=2)
+            found = stats_when(on_a, "frozenlake", 6)
+            assert {t: s.episodes for t, s in found.items()} == {"1": 1, "2": 3, "3": 2}
+            assert all(s.turns_sum == s.episodes for s in found.values())      # one turn each
+            assert {t.task_id for t in on_b.task_stats("frozenlake")} == set(found)
+            assert on_a.task_stats("frozenlake", "another-run") == []
+        with RoutedClient(redis_server.url, stats_scope="run-7") as routed:
+            assert {t.task_id: t.episodes for t in routed.task_stats("frozenlake")} == {"1": 1, "2": 3, "3": 2}
+
+
+def test_a_scope_is_its_tokens_own(tmp_path):
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text("alice-token name=alice\nbob-token name=bob\n")
+    with ServerProcess(["frozenlake"], workers=1, metrics=False, extra=["--token-file", str(tokens)]) as s, \
+            EnvClient(s.address, token="alice-token", stats_scope="shared-name") as alice, \
+            EnvClient(s.address, token="bob-token", stats_scope="shared-name") as bob:
+        finish_episodes(alice, "frozenlake", [5, 6])
+        assert set(stats_when(alice, "frozenlake", 2)) == {"5", "6"}
+        assert bob.task_stats("frozenlake") == []      # the same name under another token is another scope
+        finish_episodes(bob, "frozenlake", [9])
+        assert set(stats_when(bob, "frozenlake", 1)) == {"9"}
+        assert {t.task_id for t in alice.task_stats("frozenlake")} == {"5", "6"}
+
+
+def test_sessions_without_a_scope_record_nothing_and_bad_scopes_are_refused(grid_server):
+    from envserve.client.errors import EnvServeError
+    with EnvClient(grid_server.address) as c:
+        finish_episodes(c, "minesweeper", [1])
+        with pytest.raises(EnvServeError, match="stats scope"):
+            c.task_stats("minesweeper")
+        with pytest.raises(EnvServeError, match="at most 128"):
+            c.task_stats("minesweeper", "x" * 129)
+    with EnvClient(grid_server.address, stats_scope="y" * 129) as c, pytest.raises(EnvServeError, match="at most 128"):
+        c.open("minesweeper", 1)
