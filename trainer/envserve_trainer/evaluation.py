@@ -137,6 +137,16 @@ def mean_score(trials: Iterable[Trial]) -> float | None:
     return _mean([e.score for e in _episodes(_trials(trials))])
 
 
+def signal_free_group_share(trials: Iterable[Trial]) -> float | None:
+    """The share of groups (two trials or more) whose trials all scored the same: a group-relative
+    advantage is zero there, so the group teaches nothing."""
+    scores: dict[str, list[float]] = defaultdict(list)
+    for t in _trials(trials):
+        scores[t.group].append(round(sum(e.score for e in t.episodes), 9))
+    groups = [s for s in scores.values() if len(s) > 1]
+    return _mean([1.0 if len(set(s)) == 1 else 0.0 for s in groups])
+
+
 def mean_turns(trials: Iterable[Trial]) -> float | None:
     return _mean([float(len(e.turns)) for e in _episodes(_trials(trials))])
 
@@ -271,6 +281,7 @@ def _stats(trials: list[Trial], cfg: EvalConfig) -> dict[str, Any]:
         "episodes": len(episodes),
         "turns": sum(len(e.turns) for e in episodes),
         "groups": len({t.group for t in trials}),
+        "signal_free_groups": signal_free_group_share(trials),
         "success_rate": success_rate(trials, cfg),
         "episode_success_rate": episode_success_rate(trials),
         "success_by_episode": {str(n): v for n, v in success_by_episode(trials).items()},

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import random
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -51,6 +52,9 @@ class Connection:
     token: str | None = None
     # State tokens (a judge's) that may read the ground truth of the sessions this run opens.
     state_readers: tuple = ()
+    # The name the replicas record this run's finished episodes under (rollout.task_sampler
+    # learnability sets it); empty: nothing recorded.
+    stats_scope: str = ""
 
     def env_client(self):
         from envserve.client import AsyncEnvClient, AsyncRoutedClient
@@ -64,11 +68,12 @@ class Connection:
 
     def _client(self, routed, direct):
         """`routed` over the directory when one is given, else `direct` to the one env address."""
+        kw = dict(token=self.token, state_readers=self.state_readers, stats_scope=self.stats_scope)
         if self.directory:
-            return routed(self.directory, token=self.token, state_readers=self.state_readers)
+            return routed(self.directory, **kw)
         if not self.env_address:
             raise ValueError("give an env address (--env-address) or a directory (--directory)")
-        return direct(self.env_address, token=self.token, state_readers=self.state_readers)
+        return direct(self.env_address, **kw)
 
     def judge_client(self):
         if not self.judge_address:
@@ -130,11 +135,25 @@ def build_vision_policy_model(cfg: TrainConfig, device: str, connection: "Connec
     return model, processor
 
 
-def task_schedule(cfg: TrainConfig, iteration: int) -> list[Task]:
-    """The iteration's tasks: the training seeds in order, cycling."""
+def task_schedule(cfg: TrainConfig, iteration: int, sampler=None) -> list[Task]:
+    """The iteration's tasks: the training seeds in order, cycling, or drawn by `sampler`
+    (envserve.client.sampling, over the training seeds as task ids)."""
     env, n = cfg.env, cfg.rollout.tasks_per_iteration
+    if sampler is not None:
+        return [Task(int(task_id), env.split) for task_id in sampler.sample(n)]
     start = (iteration * n) % env.num_tasks
     return [Task(env.seed_start + (start + i) % env.num_tasks, env.split) for i in range(n)]
+
+
+def task_sampler(cfg: TrainConfig):
+    """The learnability sampler over the training seeds, or None for the in-order cycle."""
+    r = cfg.rollout
+    if r.task_sampler == "uniform":
+        return None
+    from envserve.client.sampling import make_sampler
+    seeds = [str(cfg.env.seed_start + i) for i in range(cfg.env.num_tasks)]
+    return make_sampler(r.task_sampler, seeds, seed=cfg.run.seed, floor=r.sampler_floor,
+                        cost_power=r.sampler_cost_power)
 
 
 def eval_task_sets(cfg: TrainConfig) -> dict[str, list[Task]]:
@@ -189,6 +208,9 @@ class Trainer:
         # serving other runs and evaluations keeps theirs apart.
         from envserve.client.judge import new_scope
         self.judge_scope = self.dist.gather(new_scope("train"))[0]
+        # The replicas record the training episodes (not the tokenizer corpus's) under one scope
+        # for all ranks, where the learnability sampler reads them.
+        self.stats_scope = self.dist.gather(new_scope("stats"))[0] if cfg.rollout.task_sampler != "uniform" else ""
         seed = cfg.run.seed + self.dist.rank
         random.seed(seed)
         np.random.seed(seed % (2 ** 32))
@@ -287,17 +309,21 @@ class Trainer:
         started = time.monotonic()
         total = cfg.run.iterations if iterations is None else iterations
         records: list[dict[str, Any]] = []
-        client = self.connection.env_client()
+        client = dataclasses.replace(self.connection, stats_scope=self.stats_scope).env_client()
         judge = self.connection.judge_client() if cfg.algo.use_judge else None
         if cfg.algo.use_judge and judge is None:
             raise ValueError("algo.use_judge is set but no judge address was given (--judge-address)")
         engine = RolloutEngine(client, self.policy, self.tokenizer, cfg, seed=cfg.run.seed)
+        sampler = task_sampler(cfg)
         progress = Progress(total=total - self.start_iteration, desc="train",
                             enabled=cfg.run.progress and self.dist.is_main)
         try:
             for it in range(self.start_iteration, total):
                 t0 = time.monotonic()
-                tasks = self.dist.shard(task_schedule(cfg, it))
+                if sampler is not None:
+                    sampler.update(await client.task_stats(cfg.env.env_id))
+                # Every rank plays its share of rank 0's list (their stats may be read apart).
+                tasks = self.dist.shard(self.dist.gather(task_schedule(cfg, it, sampler))[0])
                 method_ctx = None
                 if self.process is not None and self.process.collects:
                     from .process_training import Context

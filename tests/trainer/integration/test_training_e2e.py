@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import os
 import socket
 import subprocess
@@ -102,6 +103,27 @@ def test_two_grpo_iterations_learn_save_reload_and_resume(server, tmp_path):
     assert logged == [1, 2, 3]
     # keep_checkpoints 2: the oldest was removed.
     assert [p.name for p in checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-3"]
+
+
+def test_the_learnability_sampler_draws_training_tasks_whose_episodes_the_replica_counts(server, tmp_path):
+    from envserve.client import EnvClient
+    cfg = _cfg(env={"num_tasks": 6, "seed_start": 40}, rollout={"task_sampler": "learnability", "sampler_floor": 0.1},
+               run={"iterations": 3, "checkpoint_every": 0, "eval_every": 0, "progress": False})
+    trainer, _, records = run_training(cfg, server.address, tmp_path)
+    scope = trainer.stats_scope
+    assert scope and all(r["train"]["signal_free_groups"] is not None for r in records)
+    played = 3 * cfg.rollout.tasks_per_iteration * cfg.rollout.group_size
+    with EnvClient(server.address) as c:
+        deadline = time.monotonic() + 60
+        while True:
+            stats = c.task_stats("frozenlake", scope)
+            if sum(t.episodes for t in stats) >= played:
+                break
+            assert time.monotonic() < deadline, f"{sum(t.episodes for t in stats)} of {played} episodes counted"
+            time.sleep(0.25)
+    assert sum(t.episodes for t in stats) == played
+    assert {int(t.task_id) for t in stats} <= set(range(40, 46))
+    assert all(t.episodes % cfg.rollout.group_size == 0 for t in stats)   # whole groups per task
 
 
 FREE_TEXT = {"max_new_tokens": 12, "allowed_words": [], "response_prefix": "", "response_suffix": "",

@@ -365,3 +365,13 @@ def test_progress_tqdm_bar_shows_count_and_metrics():
         p.update(2)
     text = out.getvalue()
     assert "3/3" in text and "loss=0.25" in text and "train" in text
+
+
+def test_signal_free_groups_are_those_whose_trials_all_scored_the_same():
+    from envserve_trainer.evaluation import signal_free_group_share
+
+    def scored(group, *rewards):
+        return [trial(episode([turn(reward=r)], group=group), group=group, sample=k) for k, r in enumerate(rewards)]
+    trials = scored("all-fail", 0.0, 0.0, 0.0) + scored("mixed", 0.0, 1.0, 0.0) + scored("all-win", 1.0, 1.0)
+    assert signal_free_group_share(trials) == pytest.approx(2 / 3)
+    assert signal_free_group_share(scored("alone", 1.0)) is None       # a lone trial is no group
