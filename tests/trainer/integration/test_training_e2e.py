@@ -107,7 +107,7 @@ def test_two_grpo_iterations_learn_save_reload_and_resume(server, tmp_path):
 
 def test_the_learnability_sampler_draws_training_tasks_whose_episodes_the_replica_counts(server, tmp_path):
     from envserve.client import EnvClient
-    cfg = _cfg(env={"num_tasks": 6, "seed_start": 40}, rollout={"task_sampler": "learnability", "sampler_floor": 0.1},
+    cfg = _cfg(env={"num_tasks": 6, "seed_start": 40}, rollout={"task_sampler": "learnability", "sampler_floor": 0.1, "max_turns": 2},
                run={"iterations": 3, "checkpoint_every": 0, "eval_every": 0, "progress": False})
     trainer, _, records = run_training(cfg, server.address, tmp_path)
     scope = trainer.stats_scope
@@ -124,6 +124,9 @@ def test_the_learnability_sampler_draws_training_tasks_whose_episodes_the_replic
     assert sum(t.episodes for t in stats) == played
     assert {int(t.task_id) for t in stats} <= set(range(40, 46))
     assert all(t.episodes % cfg.rollout.group_size == 0 for t in stats)   # whole groups per task
+    # Every episode was counted, those the trainer's own turn limit (2) cut as well: that limit
+    # became the sessions' own.
+    assert all(t.turns_sum <= 2 * t.episodes for t in stats)
 
 
 FREE_TEXT = {"max_new_tokens": 12, "allowed_words": [], "response_prefix": "", "response_suffix": "",

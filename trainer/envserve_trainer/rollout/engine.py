@@ -134,11 +134,18 @@ class RolloutEngine:
     async def _ensure_sessions(self, count: int) -> list[str]:
         env = self.cfg.env
         if len(self.sessions) < count:
-            if not self.admissible:
+            config = dict(env.env_config or {})
+            ro = self.cfg.rollout
+            limit = ro.task_sampler != "uniform" and ro.max_turns and "max_turns" not in config
+            if not self.admissible or limit:
                 spec = await self.client.get_spec(env.env_id)
                 self.admissible = spec.action_space
+                if limit:
+                    # The replica counts an episode when it ends there: the trainer's own turn limit
+                    # becomes the session's, so episodes it cuts are counted for the sampler too.
+                    config["max_turns"] = min(ro.max_turns, spec.max_turns)
             ids, prompt = await self.client.open_with_prompt(env.env_id, count - len(self.sessions),
-                                                             env.env_config or None, env.action_format)
+                                                             config or None, env.action_format)
             self.sessions += ids
             self.system_prompt = prompt or self.system_prompt
         return self.sessions[:count]
