@@ -280,6 +280,7 @@ def _stats(trials: list[Trial], cfg: EvalConfig) -> dict[str, Any]:
         "trials": len(trials),
         "episodes": len(episodes),
         "turns": sum(len(e.turns) for e in episodes),
+        "generated_tokens": sum(len(t.completion_ids) for e in episodes for t in e.turns),
         "groups": len({t.group for t in trials}),
         "signal_free_groups": signal_free_group_share(trials),
         "success_rate": success_rate(trials, cfg),
