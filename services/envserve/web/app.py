@@ -90,7 +90,7 @@ def add_error_handlers(app: FastAPI) -> None:
 def create_app(directory_url: str = "", replicas=(), root_certificates: bytes | None = None,
                use_external: bool = False, monitor_token: str | None = None, timeout: float = 60.0,
                refresh_seconds: float = 1.0, openenv: bool = True, openenv_idle_seconds: float = 300.0,
-               limits: HttpLimits | None = None) -> FastAPI:
+               limits: HttpLimits | None = None, ors: bool = True) -> FastAPI:
     """monitor_token: the token that shows every replica's sessions on the live page: /v1/live
     then needs a bearer token, and a caller who presents this one is shown every session (the
     facade asks MonitorService with it), one who presents another token is shown what the
@@ -98,6 +98,8 @@ def create_app(directory_url: str = "", replicas=(), root_certificates: bytes | 
     /v1/live passes on whatever the caller sends, as every route does.
     openenv: also serve OpenEnv's protocol under /openenv/<env_id>/ (openenv.py); sessions opened
     there over plain HTTP (no WebSocket) are closed after openenv_idle_seconds without a call.
+    ors: also serve the Open Reward Standard's routes at the root (ors.py), its sessions held and
+    reclaimed like OpenEnv's HTTP ones.
     limits: what a request may be (limits.HttpLimits: body size, JSON depth, ...)."""
     limits = limits or HttpLimits()
     table = ReplicaTable(directory_url, replicas, root_certificates, use_external, refresh_seconds, timeout)
@@ -108,6 +110,8 @@ def create_app(directory_url: str = "", replicas=(), root_certificates: bytes | 
         yield
         if app.state.openenv is not None:
             await app.state.openenv.close_all()
+        if app.state.ors is not None:
+            await app.state.ors.close_all()
         await gateway.close()
 
     app = FastAPI(title="envserve", summary="HTTP/JSON facade over the envserve.v1 gRPC services",
@@ -119,6 +123,10 @@ def create_app(directory_url: str = "", replicas=(), root_certificates: bytes | 
     if openenv:
         from .openenv import mount_openenv
         app.state.openenv = mount_openenv(app, gateway, idle_seconds=openenv_idle_seconds, limits=limits)
+    app.state.ors = None
+    if ors:
+        from .ors import mount_ors
+        app.state.ors = mount_ors(app, gateway, idle_seconds=openenv_idle_seconds, limits=limits)
 
     add_error_handlers(app)
     app.add_middleware(HttpGuard, limits=limits)
