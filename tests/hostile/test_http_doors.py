@@ -294,7 +294,8 @@ def test_every_json_route_refuses_bodies_over_the_limit(small_facade, replica):
     big = b'{"pad": "' + b"x" * (2 * MIB) + b'"}'
     with httpx.Client(base_url=small_facade.url, timeout=60, headers={"Content-Type": "application/json"}) as http:
         for route in ("/v1/sessions", "/v1/reset", "/v1/step", "/v1/fork", "/v1/close",
-                      "/openenv/sokoban/reset", "/openenv/sokoban/step", "/openenv/sokoban/close"):
+                      "/openenv/sokoban/reset", "/openenv/sokoban/step", "/openenv/sokoban/close",
+                      "/create", "/sokoban/call", "/sokoban/task_range"):
             refused(http.post(route, content=big), 413, "RESOURCE_EXHAUSTED")
             refused(http.post(route, content=_chunks(2 * MIB)), 413, "RESOURCE_EXHAUSTED")
     endpoint = replica.openenv_url + "/sokoban"

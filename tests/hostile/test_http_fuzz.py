@@ -104,6 +104,38 @@ def test_json_routes_answer_every_body_cleanly(http, route, body, h):
     answered(http.post(route, content=body, headers=h))
 
 
+# The ORS door answers errors as ORS clients read them: {"detail": ...}.
+ORS_POSTS = ["/create", "/ping", "/delete", "/sokoban/call", "/sokoban/tasks", "/sokoban/num_tasks", "/sokoban/task",
+             "/sokoban/task_range"]
+ORS_GETS = ["/list_environments", "/sokoban/splits", "/sokoban/tools", "/{id}/tools", "/sokoban/prompt",
+            "/sokoban/task_tools"]
+
+
+def answered_ors(resp: httpx.Response) -> None:
+    assert resp.status_code < 500, (resp.status_code, resp.text[:500])
+    if resp.status_code >= 400 and resp.status_code != 405:
+        body = resp.json()
+        assert isinstance(body.get("detail", body.get("message")), str), body
+
+
+ors_headers = headers().flatmap(lambda h: st.one_of(st.just(h), header_bytes.map(
+    lambda sid: {**h, "X-Session-ID": sid} if sid else h)))
+
+
+@pytest.mark.parametrize("route", ORS_POSTS)
+@FUZZ
+@given(body=bodies, h=ors_headers)
+def test_ors_routes_answer_every_body_cleanly(http, route, body, h):
+    answered_ors(http.post(route, content=body, headers=h))
+
+
+@pytest.mark.parametrize("route", ORS_GETS)
+@FUZZ
+@given(sid=SESSION_IDS, h=ors_headers)
+def test_ors_get_routes_answer_every_query_cleanly(http, route, sid, h):
+    answered_ors(http.get(route.replace("{id}", quote(sid, safe="") or "x"), headers=h))
+
+
 GETS = ["/v1/envs", "/v1/envs/{id}", "/v1/sessions/{id}/state", "/v1/live", "/openenv/{id}/state",
         "/openenv/sokoban/state", "/openenv/sokoban/health", "/openenv/{id}/schema", "/openenv/sokoban/metadata", "/"]
 

@@ -43,9 +43,12 @@ ACTION_FORMAT = "no_think"
 
 
 class OrsError(Exception):
-    def __init__(self, status: int, detail: str):
+    """An ORS call's failure: ORS clients read `detail`; the facade's `code` and `message` come along
+    where the failure has a gRPC code."""
+
+    def __init__(self, status: int, detail: str, code: grpc.StatusCode | None = None):
         super().__init__(detail)
-        self.status, self.detail = status, detail
+        self.status, self.detail, self.code = status, detail, code
 
 
 def _http_status(code: grpc.StatusCode) -> int:
@@ -165,7 +168,8 @@ def mount_ors(app: FastAPI, gateway: Gateway, idle_seconds: float = 300.0,
 
     @app.exception_handler(OrsError)
     async def _ors_error(request, e: OrsError):
-        return JSONResponse({"detail": e.detail}, status_code=e.status)
+        extra = {"code": e.code.name, "message": e.detail} if e.code is not None else {}
+        return JSONResponse({"detail": e.detail, **extra}, status_code=e.status)
 
     def guarded(fn):
         """ORS clients read an error's `detail`: envserve's own errors are given that shape here."""
@@ -176,11 +180,11 @@ def mount_ors(app: FastAPI, gateway: Gateway, idle_seconds: float = 300.0,
             try:
                 return await fn(*args, **kwargs)
             except ApiError as e:
-                raise OrsError(e.http_status or _http_status(e.code), e.message) from None
+                raise OrsError(e.http_status or _http_status(e.code), e.message, e.code) from None
             except OpenEnvError as e:
-                raise OrsError(_http_status(e.status), e.message) from None
+                raise OrsError(_http_status(e.status), e.message, e.status) from None
             except grpc.RpcError as e:
-                raise OrsError(_http_status(e.code()), e.details() or e.code().name) from None
+                raise OrsError(_http_status(e.code()), e.details() or e.code().name, e.code()) from None
         return run
 
     async def served(md: tuple) -> list[str]:
@@ -264,10 +268,10 @@ def mount_ors(app: FastAPI, gateway: Gateway, idle_seconds: float = 300.0,
     @guarded
     async def create(request: Request):
         md = credentials(request)
+        data = await body(request)     # first: a body over the limit is refused as such
         sid = sid_of(request)
         if sid in ors and store.http_sessions.get(ors[sid].session.session_id) is ors[sid].session:
             raise OrsError(400, "Session already exists")
-        data = await body(request)
         env_id = data.get("env_name")
         if env_id is None:
             envs = await served(md)
@@ -328,8 +332,8 @@ def mount_ors(app: FastAPI, gateway: Gateway, idle_seconds: float = 300.0,
     @guarded
     async def call(env_id: str, request: Request):
         md = credentials(request)
-        o = held(request, md, env_id)
         data = await body(request)
+        o = held(request, md, env_id)
         call_id = data.get("task_id")
         if call_id is not None:
             # A client reconnecting to a call it started: its answer again, never a second step.
