@@ -558,20 +558,20 @@ class EnvService(pb_grpc.EnvServiceServicer):
                                    replica_id=self.r.replica_id, live_sessions=len(self.r.sessions),
                                    capacity=self.r.config.max_sessions, draining=self.r.draining)
 
+    async def served_spec(self, env_id: str, context):
+        """The spec of an env this replica serves; NOT_FOUND for another."""
+        spec = self.r.specs.get(env_id)
+        if spec is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"env {env_id!r} is not served here; served: {self.r.env_ids}")
+        return spec
+
     async def GetSpec(self, request, context):
         await caller(context, self.r.auth.env_owner)
-        spec = self.r.specs.get(request.env_id)
-        if spec is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"env {request.env_id!r} is not served here; served: {self.r.env_ids}")
-        return convert.spec_to_proto(spec)
+        return convert.spec_to_proto(await self.served_spec(request.env_id, context))
 
     async def ListTasks(self, request, context):
         await caller(context, self.r.auth.env_owner)
-        spec = self.r.specs.get(request.env_id)
-        if spec is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"env {request.env_id!r} is not served here; served: {self.r.env_ids}")
+        spec = await self.served_spec(request.env_id, context)
         if request.page_size < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"page_size must be >= 0, got {request.page_size}")
         size = min(request.page_size or self.r.config.default_tasks_page, self.r.config.max_tasks_page)
@@ -588,9 +588,7 @@ class EnvService(pb_grpc.EnvServiceServicer):
 
     async def GetTaskStats(self, request, context):
         owner = await caller(context, self.r.auth.env_owner)
-        if request.env_id not in self.r.specs:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"env {request.env_id!r} is not served here; served: {self.r.env_ids}")
+        await self.served_spec(request.env_id, context)
         try:
             key = stats.stats_key(owner, request.env_id, request.scope)
         except stats.BadScope as e:
