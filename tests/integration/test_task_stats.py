@@ -92,3 +92,33 @@ def test_sessions_without_a_scope_record_nothing_and_bad_scopes_are_refused(grid
             c.task_stats("minesweeper", "x" * 129)
     with EnvClient(grid_server.address, stats_scope="y" * 129) as c, pytest.raises(EnvServeError, match="at most 128"):
         c.open("minesweeper", 1)
+
+
+@pytest.mark.parametrize("fault", ["kill", "drain"])
+def test_rebuilt_and_moved_sessions_keep_counting_in_their_scope(redis_server, fault):
+    """A session rebuilt by its client after its replica was killed, or moved by a draining replica,
+    carries its stats scope (SessionHistory.stats_scope): its episode is counted where it ends."""
+    import signal
+
+    from envserve.directory import replica_of
+    from serverproc import Cluster
+    cluster = Cluster(redis_server.url, ["frozenlake"], ["carry-a", "carry-b"])
+    try:
+        with RoutedClient(cluster.url, stats_scope=f"carry-{fault}") as client:
+            sids = client.open("frozenlake", 2, {"max_turns": 3, "size": 8})
+            client.reset(sids, [21, 22])
+            client.step([(s, LEFT) for s in sids])
+            victim = cluster.replicas[replica_of(sids[0])]
+            if fault == "kill":
+                victim.kill()
+            else:
+                victim.proc.send_signal(signal.SIGTERM)
+                assert victim.proc.wait(60) == 0
+            for _ in range(2):
+                results = client.step([(s, LEFT) for s in sids])
+                assert all(r.status.code == 0 for r in results), [r.status for r in results]
+            assert all(r.done or r.truncated for r in results)
+            found = stats_when(client, "frozenlake", 2)
+        assert {t: (s.episodes, s.turns_sum) for t, s in found.items()} == {"21": (1, 3), "22": (1, 3)}
+    finally:
+        cluster.close()
