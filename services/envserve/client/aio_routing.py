@@ -75,21 +75,26 @@ class AsyncRoutedClient(Router):
             raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"no live replica serves {env_id!r}")
         return await self.client_for(replicas[0]).get_spec(env_id)
 
+    async def _any_replica(self, env_id: str, call):
+        """await call(client) on the first replica serving env_id that answers (see RoutedClient's)."""
+        replicas = await self._refresh(env_id)
+        if not replicas:
+            await asyncio.to_thread(self.check_served, env_id)
+            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"no live replica serves {env_id!r}")
+        for r in replicas[:-1]:
+            try:
+                return await call(self.client_for(r))
+            except UnavailableError:
+                continue
+        return await call(self.client_for(replicas[-1]))
+
     async def list_tasks(self, env_id: str, split: str = "", page_size: int = 0,
                          page_token: str = "") -> pb.ListTasksResponse:
         """A page of a split's tasks, from any replica serving the env (they list the same tasks)."""
-        replicas = await self._refresh(env_id)
-        if not replicas:
-            await asyncio.to_thread(self.check_served, env_id)
-            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"no live replica serves {env_id!r}")
-        return await self.client_for(replicas[0]).list_tasks(env_id, split, page_size, page_token)
+        return await self._any_replica(env_id, lambda c: c.list_tasks(env_id, split, page_size, page_token))
 
     async def task_stats(self, env_id: str, scope: str | None = None) -> list[pb.TaskStat]:
-        replicas = await self._refresh(env_id)
-        if not replicas:
-            await asyncio.to_thread(self.check_served, env_id)
-            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"no live replica serves {env_id!r}")
-        return await self.client_for(replicas[0]).task_stats(env_id, scope)
+        return await self._any_replica(env_id, lambda c: c.task_stats(env_id, scope))
 
     async def open_with_prompt(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
                                action_format: str = "") -> tuple[list[str], str]:

@@ -675,20 +675,27 @@ class RoutedClient(Router):
             raise make_error(grpc.StatusCode.NOT_FOUND, f"no live replica serves {env_id!r}")
         return self.client_for(candidates[0]).get_spec(env_id)
 
-    def list_tasks(self, env_id: str, split: str = "", page_size: int = 0, page_token: str = "") -> pb.ListTasksResponse:
-        """A page of a split's tasks, from any replica serving the env (they list the same tasks)."""
+    def _any_replica(self, env_id: str, call):
+        """call(client) on the first replica serving env_id that answers: one the directory still
+        lists for a moment after it died is passed over."""
         candidates = self.replicas(env_id)
         if not candidates:
             raise make_error(grpc.StatusCode.NOT_FOUND, f"no live replica serves {env_id!r}")
-        return self.client_for(candidates[0]).list_tasks(env_id, split, page_size, page_token)
+        for r in candidates[:-1]:
+            try:
+                return call(self.client_for(r))
+            except UnavailableError:
+                continue
+        return call(self.client_for(candidates[-1]))
+
+    def list_tasks(self, env_id: str, split: str = "", page_size: int = 0, page_token: str = "") -> pb.ListTasksResponse:
+        """A page of a split's tasks, from any replica serving the env (they list the same tasks)."""
+        return self._any_replica(env_id, lambda c: c.list_tasks(env_id, split, page_size, page_token))
 
     def task_stats(self, env_id: str, scope: str | None = None) -> list[pb.TaskStat]:
         """A stats scope's finished episodes per task, from any replica serving the env (with a
         shared directory, they all read the same table)."""
-        candidates = self.replicas(env_id)
-        if not candidates:
-            raise make_error(grpc.StatusCode.NOT_FOUND, f"no live replica serves {env_id!r}")
-        return self.client_for(candidates[0]).task_stats(env_id, scope)
+        return self._any_replica(env_id, lambda c: c.task_stats(env_id, scope))
 
     def close(self) -> None:
         for c in self._clients.values():
