@@ -39,3 +39,8 @@ if find_spec("openenv"):
 if find_spec("textarena"):
     register_prefix("textarena", "envserve.envs.textarena:make_env_class", "envserve.envs.textarena:examples",
                     "TextArena's one- and two-player text games, e.g. textarena:TicTacToe-v0")
+# Environments another server serves over ORS (the Open Reward Standard), as
+# ors:<base url>#<env name> (envserve[ors]).
+if find_spec("ors"):
+    register_prefix("ors", "envserve.envs.ors:make_env_class", None,
+                    "an environment another server serves over ORS, e.g. ors:http://127.0.0.1:8080#wordle")
