@@ -305,3 +305,15 @@ def test_a_value_under_two_option_groups_selects_the_last_group(tmp_path):
         # A value only one group lists still selects in that group.
         assert c.step_one(sid, act("click[red]")).action_valid
         assert state_dict(c.get_state(sid))["selected_options"] == {"pattern": "navy", "color": "red"}
+
+
+def test_a_listed_goal_is_the_instruction_its_task_shows(client):
+    listed = client.list_tasks("webshop", "test", 3).tasks
+    assert len({t.description for t in listed}) == 3
+    for task in listed:
+        sid = client.open("webshop", 1, {}, NO_THINK)[0]
+        first = client.reset_one(sid, task_id=task.task_id)
+        truth = state_dict(client.get_state(sid))
+        assert task.description == truth["goal"]["instruction"] and task.description in first.observation.text
+        assert task.parameters["goal_index"] == truth["goal_index"]
+        client.close_sessions([sid])

@@ -31,6 +31,15 @@ from .engine import NOTHING_HAPPENS, Engine, EngineClient, EngineGone
 from .generate import TASK_TYPES
 
 SPLIT_STRIDE = 1_000_000
+# What each of ALFWorld's six task types asks, said in ListTasks before a game names its objects.
+TASK_GOALS = {
+    "pick_and_place_simple": "put an object in or on a receptacle",
+    "look_at_obj_in_light": "examine an object under a desk lamp",
+    "pick_clean_then_place_in_recep": "clean an object in the sink, then put it in or on a receptacle",
+    "pick_heat_then_place_in_recep": "heat an object in the microwave, then put it in or on a receptacle",
+    "pick_cool_then_place_in_recep": "cool an object in the fridge, then put it in or on a receptacle",
+    "pick_two_obj_and_place": "put two objects of one kind in or on a receptacle",
+}
 # Facts about what the agent looked at, not about the world: left out of the state key.
 _LOOK_FACTS = ("checked", "examined")
 
@@ -292,13 +301,15 @@ class AlfWorldEnv(Environment):
 
     @classmethod
     def describe_task(cls, spec, seed: int) -> TaskDescription:
-        """The generated game a seed starts under the default config: its task type and where it
-        sits in ALFWorld's base split (the goal text comes with the game, so not listed)."""
+        """The generated game a seed starts under the default config: the kind of goal its task type
+        sets, the type, and where it sits in ALFWorld's base split (the game's own goal text, naming
+        the object and receptacle, comes with the game when it is generated)."""
         games = _DEFAULT_GAMES[_SPLITS[(seed // SPLIT_STRIDE) % len(_SPLITS)][0]]
         if not games or game_index.official_root(_DEFAULTS["data_dir"]):
             return TaskDescription()   # official games: which one a seed starts is known once scanned
         ref = games[(seed % SPLIT_STRIDE) % len(games)]
-        return TaskDescription(description=f"a generated {ref.task_type} game ({ref.base} #{ref.index})",
+        goal = TASK_GOALS.get(ref.task_type, ref.task_type)
+        return TaskDescription(description=f"{goal} (a generated {ref.task_type} game, {ref.base} #{ref.index})",
                                task_type=ref.task_type, parameters={"base_split": ref.base, "game": ref.index})
 
     # -- episodes ------------------------------------------------------------------------

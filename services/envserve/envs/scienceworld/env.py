@@ -14,6 +14,7 @@ in every process.
 """
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from typing import Any, Mapping
@@ -89,6 +90,14 @@ _DEFAULT_SPLITS = _tasks_by_split(frozenset(_DEFAULTS["heldout_tasks"].split(","
                                   {"L0": "train", "L1": "test", "L2": "test"})
 _SPLIT_DOCS = {"L0": "seen variations of seen task types", "L1": "unseen variations of seen task types",
                "L2": "held-out task types"}
+
+
+@functools.lru_cache(maxsize=1)
+def _task_titles() -> dict[str, tuple[str, str]]:
+    """Task name -> (topic, title) from the package's task list (no JVM): "boil" -> ("Matter",
+    "Changes of State (Boiling)")."""
+    from scienceworld.constants import TASKS
+    return {t["task_name"]: (t["topic"], t["task"]) for t in TASKS}
 
 
 class _Jvm:
@@ -279,8 +288,10 @@ class ScienceWorldEnv(Environment):
         """The task name and variation a seed starts under the default splits (no JVM)."""
         pairs = _DEFAULT_SPLITS[SPLIT_NAMES[(seed // SPLIT_STRIDE) % len(SPLIT_NAMES)]]
         task, variation = pairs[(seed % SPLIT_STRIDE) % len(pairs)]
-        return TaskDescription(description=f"ScienceWorld task {task}, variation {variation}", task_type=str(task),
-                               parameters={"variation": int(variation)})
+        topic, title = _task_titles().get(str(task), ("", str(task)))
+        # The variation's own goal text comes from the simulator when it loads the task.
+        return TaskDescription(description=f"{title}, variation {variation}" + (f" ({topic})" if topic else ""),
+                               task_type=str(task), parameters={"variation": int(variation)})
 
     def task_of_seed(self, seed: int) -> tuple[str, int]:
         """(task name, variation) of a seed: split by seed range, then an index into its list."""

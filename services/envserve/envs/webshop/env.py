@@ -16,6 +16,7 @@ import re
 from typing import Any, Mapping
 
 from envserve.core.env import (REWARD_BOUNDS, SEED_BOUNDS, SERVER_PATH_BOUNDS, ActionOutcome, Environment, EnvSpec,
+                               TaskDescription,
                                GroundTruth, Split)
 
 from .catalog import Goal, Product
@@ -40,6 +41,15 @@ Goal: buy a product that matches the instruction's attributes and options within
 def _split_doc(name: str) -> str:
     return {"test": "WebShop's test goals: the first test_goals of the shuffled goals",
             "dev": "the next dev_goals", "train": "the rest"}[name]
+
+
+def goal_index(store: Store, seed: int) -> int:
+    """The goal a seed names: its split by seed range, then an index into the split's goals."""
+    name = SPLIT_NAMES[(seed // SPLIT_STRIDE) % len(SPLIT_NAMES)]
+    r = store.split_range(name)
+    if not len(r):
+        raise ValueError(f"the {name} split is empty with this catalogue ({len(store.goals)} goals)")
+    return r[(seed % SPLIT_STRIDE) % len(r)]
 
 
 class WebShopEnv(Environment):
@@ -154,11 +164,25 @@ class WebShopEnv(Environment):
         return self.store.goals[self.goal_index]
 
     def goal_index_of_seed(self, seed: int) -> int:
-        name = SPLIT_NAMES[(seed // SPLIT_STRIDE) % len(SPLIT_NAMES)]
-        r = self.store.split_range(name)
-        if not len(r):
-            raise ValueError(f"the {name} split is empty with this catalogue ({len(self.store.goals)} goals)")
-        return r[(seed % SPLIT_STRIDE) % len(r)]
+        return goal_index(self.store, seed)
+
+    @classmethod
+    def describe_task(cls, spec, seed: int) -> TaskDescription:
+        """The goal a seed starts under the default config: its instruction (the agent's goal text),
+        category and what it asks for. Builds the default store once per process (0.4 s)."""
+        d = spec.config_defaults
+        store = load_store(StoreKey(
+            data_dir=d["data_dir"], num_products=d["num_products"], catalogue_seed=d["catalogue_seed"],
+            goal_source=d["goal_source"], goal_shuffle_seed=d["goal_shuffle_seed"], price_seed=d["price_seed"],
+            test_goals=d["test_goals"], dev_goals=d["dev_goals"]))
+        try:
+            index = goal_index(store, seed)
+        except ValueError:
+            return TaskDescription()
+        g = store.goals[index]
+        return TaskDescription(description=g.instruction, task_type=g.category,
+                               parameters={"goal_index": index, "price_upper": g.price_upper,
+                                           "attributes": len(g.attributes), "options": len(g.options)})
 
     # -- the five methods ---------------------------------------------------------------------------
     def reset(self, seed: int, options: Mapping[str, Any] | None = None) -> None:
