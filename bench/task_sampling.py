@@ -4,15 +4,18 @@ success comes of it.
 
 For each sampler (rollout.task_sampler: uniform, learnability) and each RL seed, the bundled
 learn_<env>.yaml config (FrozenLake by default; --env-config makes the split harder, e.g.
-'{"size": 8}') trains --iterations from --model-path (an SFT checkpoint's policy/ folder, e.g. from
-`make learn`; default the config's model) through a real replica started here, then plays the
-held-out seeds greedily (--eval-tasks of them). Per run it reports: env steps and generated tokens
+'{"size": 8}', and --set changes any other section) trains --iterations from one starting policy
+through a real replica started here, then plays the held-out seeds greedily (--eval-tasks of them).
+The starting policy: --model-path (a policy/ folder), or with --sft-demos N the config's pretrained
+model fine-tuned here on N expert episodes of the harder split (kept in OUTPUT_DIR/sft and reused
+by a later run with the same settings), or the config's model as it is. Per run it reports: env steps and generated tokens
 spent, the share of signal-free groups per iteration (trials of a task that all scored the same),
 held-out greedy success, and held-out success per 1,000 env steps and per 1,000 generated tokens of
 training. The last line with --json is the summary.
 
-    .venv/bin/python bench/task_sampling.py --model-path runs/learn-pretrained/frozenlake/sft/checkpoint-N/policy \
-        --env-config '{"size": 8}' --iterations 12 --eval-tasks 64 --output-dir runs/task-sampling --json
+    .venv/bin/python bench/task_sampling.py --env-config '{"size": 8}' --sft-demos 300 \
+        --set '{"env": {"num_tasks": 64}, "rollout": {"max_turns": 6}}' --iterations 10 --eval-tasks 64 \
+        --output-dir runs/task-sampling --json
     .venv/bin/python bench/task_sampling.py --quick --json    # a tiny random-weight model: the pipeline only
 """
 from __future__ import annotations
@@ -52,11 +55,40 @@ def run(cfg, out: Path, conn) -> dict:
             "held_out_success_per_1k_tokens": 1000 * success / max(tokens, 1)}
 
 
+def starting_policy(cfg, out: Path, demos: int, conn) -> str:
+    """The config's pretrained model fine-tuned on `demos` expert episodes of cfg's split: the policy/
+    folder of its checkpoint, reused when OUTPUT_DIR/sft already holds one made with the same config."""
+    from envserve.client import EnvClient
+    from envserve_trainer.api import SFTTrainer, collect, load_pretrained, policy_folder
+    d = cfg.to_dict()
+    key = json.dumps({"env": d["env"], "sft": d["sft"], "model": d["model"], "demos": demos}, sort_keys=True)
+    done = out / "sft" / "done.json"
+    if done.exists() and json.loads(done.read_text()).get("key") == key:
+        return json.loads(done.read_text())["policy"]
+    out.mkdir(parents=True, exist_ok=True)
+    _, tok = load_pretrained(cfg.model.path, dtype=cfg.model.dtype, gguf_file=cfg.model.gguf_file)
+    seeds = range(cfg.env.seed_start, cfg.env.seed_start + demos)
+    with EnvClient(conn.env_address) as client:
+        got = collect(client, cfg, tok, out / "demos.jsonl", list(seeds))
+    print(f"sft: {got['episodes']} expert episodes, expert success {got['success_rate']:.2f}", flush=True)
+    sft = SFTTrainer(cfg, out / "sft", [out / "demos.jsonl"], conn)
+    records = sft.run()
+    policy = policy_folder(sft.save())
+    print(f"sft: {sft.step} steps, loss {records[0]['sft']['loss']:.3f} -> {records[-1]['sft']['loss']:.3f}",
+          flush=True)
+    done.write_text(json.dumps({"key": key, "policy": str(policy)}))
+    return str(policy)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--env", default="frozenlake", help="a bundled learn_<env>.yaml config")
     p.add_argument("--env-config", default="", help="JSON merged into env.env_config (a harder split)")
+    p.add_argument("--set", default="", help='JSON of config sections merged over the config, e.g. '
+                   '\'{"env": {"num_tasks": 64}, "rollout": {"max_turns": 6}}\'')
     p.add_argument("--model-path", default="", help="the policy RL starts from (default: the config's model)")
+    p.add_argument("--sft-demos", type=int, default=0,
+                   help="fine-tune the config's model on this many expert episodes first (0: no SFT)")
     p.add_argument("--iterations", type=int, default=12)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="RL seeds per sampler")
     p.add_argument("--eval-tasks", type=int, default=64, help="held-out seeds played greedily after RL")
@@ -68,6 +100,8 @@ def main() -> int:
     from envserve_trainer.api import Connection, load_config
     from serverproc import ServerProcess
     cfg = load_config(f"learn_{args.env}.yaml")
+    if args.set:
+        cfg = cfg.with_overrides(**json.loads(args.set))
     env = {"eval_tasks": 8 if args.quick else args.eval_tasks}
     if args.env_config:
         env["env_config"] = {**cfg.env.env_config, **json.loads(args.env_config)}
@@ -79,6 +113,8 @@ def main() -> int:
     results: dict = {}
     with ServerProcess([cfg.env.env_id], workers=2, metrics=False) as server:
         conn = Connection(env_address=server.address)
+        if args.sft_demos and not args.quick and not args.model_path:
+            model = {"path": starting_policy(cfg.with_overrides(env=env), Path(args.output_dir), args.sft_demos, conn)}
         for sampler in SAMPLERS:
             for seed in args.seeds:
                 run_cfg = cfg.with_overrides(env=env, model=model, rollout={"task_sampler": sampler},
