@@ -497,3 +497,61 @@ def test_each_factory_counts_repeated_judge_texts_apart_unless_given_one_scope(g
     shared = factory("frozenlake", action_format=JUDGED_FORMAT, judge_address=judge.address,
                      judge_scope=first._judge.scope)
     assert grounding(shared, 1) == [pytest.approx(-0.1)]
+
+
+# -- sampling where the run can learn ------------------------------------------------------------
+def test_learnability_sampling_puts_grpo_groups_on_the_tasks_the_run_can_learn(grid_server, tmp_path, monkeypatch):
+    """Outcomes recorded under the factory's stats scope: task 0 always solved, task 2 never, task 1
+    half the time, task 3 unseen. TRL's trainer with the mixin draws groups of num_generations
+    identical rows, mostly tasks 1 and 3, and trains on them."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from envserve.client.experts import play_expert
+    from envserve.integrations.trl import LearnabilitySampling
+    from envserve_trainer.models.small import build_small_model
+    from outcomes import finish_episodes, stats_when
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    scope = f"trl-learnability-{os.getpid()}"
+    with EnvClient(grid_server.address, stats_scope=scope) as c:
+        play_expert(c, "frozenlake", [0] * 12 + [1] * 3, "no_think")
+        finish_episodes(c, "frozenlake", [1] * 3 + [2] * 12)      # one turn of "Left": no success
+        found = stats_when(c, "frozenlake", 30)
+    assert {t: (s.episodes, s.successes) for t, s in found.items()} == {"0": (12, 12), "1": (6, 3), "2": (12, 0)}
+
+    FrozenLake = environment_factory(grid_server.address, "frozenlake", stats_scope=scope)
+    played: list[int] = []
+
+    class Recorded(FrozenLake):
+        def reset(self, **row):
+            played.append(int(row["seed"]))
+            return super().reset(**row)
+
+    class Trainer(LearnabilitySampling, GRPOTrainer):
+        pass
+
+    tok, suppress = tool_calling_tokenizer(grid_server.address, ["Left", "Down", "Right", "Up"])
+    rows = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Reach the goal.\n"}]] * 4,
+                              "seed": [0, 1, 2, 3]})
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=32, max_tool_calling_iterations=2, logging_steps=1,
+                      generation_kwargs={"suppress_tokens": suppress}, use_cpu=True, bf16=False,
+                      report_to="none", save_strategy="no", seed=0, disable_tqdm=True)
+    trainer = Trainer(model=build_small_model(tok, "tiny", seed=0), args=args, train_dataset=rows,
+                      processing_class=tok, environment_factory=Recorded)
+    try:
+        sampler = trainer._get_train_sampler()
+        order = list(sampler)
+        # An epoch: as many draws as rows, two batches of two groups of two identical rows.
+        assert len(order) == len(sampler) == 8
+        assert all(order[i] == order[i + 1] for i in range(0, 8, 2))
+        assert order[0] != order[2] and order[4] != order[6]     # a batch's groups are different tasks
+        drawn = [i for _ in range(400) for i in sampler.draw_batch()]
+        counts = {seed: drawn.count(seed) for seed in range(4)}
+        assert min(counts[1], counts[3]) > 2 * max(counts[0], counts[2]) and min(counts.values()) > 0
+        trainer.train()
+    finally:
+        FrozenLake.close()
+    assert len(played) == 4 and played[0] == played[1] and played[2] == played[3]   # groups of 2 identical rows
+    assert any("loss" in h for h in trainer.state.log_history)

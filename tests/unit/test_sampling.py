@@ -50,3 +50,38 @@ def test_uniform_and_bad_settings():
         make_sampler("learnability", [])
     with pytest.raises(ValueError, match="floor"):
         LearnabilitySampler(["a"], floor=0)
+
+
+def test_distinct_draws_never_repeat_a_task_and_follow_the_weights():
+    s = LearnabilitySampler(["hopeless", "half", "new"], seed=3)
+    s.update([stat("hopeless", 100, 0), stat("half", 100, 50)])
+    firsts = Counter()
+    for _ in range(3000):
+        drawn = s.sample_distinct(2)
+        assert len(set(drawn)) == 2
+        firsts[drawn[0]] += 1
+    assert firsts["half"] > 3 * firsts["hopeless"] and firsts["new"] > 3 * firsts["hopeless"]
+    assert sorted(s.sample_distinct(10)) == ["half", "hopeless", "new"]   # all of them when fewer
+
+
+def test_the_dataset_sampler_groups_rows_by_task_and_survives_a_failed_stats_read():
+    from envserve.integrations.task_sampler import TaskSampler
+    rows = [{"seed": 5}, {"extra_info": {"task_id": "9"}}, {"task_id": "7", "seed": 1}]
+    reads = []
+
+    def stats():
+        reads.append(1)
+        if len(reads) > 1:
+            raise ConnectionError("the service is restarting")
+        return [stat("5", 50, 50), stat("9", 10, 5)]
+    sampler = TaskSampler(rows, stats, mini_repeat_count=3, batch_size=1, repeat_count=2, seed=1)
+    assert set(sampler.rows_of) == {"5", "9", "7"}
+    order = list(sampler)
+    assert len(order) == len(sampler) == 3 * 3 * 2 and len(reads) == 3
+    assert all(order[i:i + 6] == [order[i]] * 6 for i in range(0, 18, 6))   # a group, twice, per batch
+    assert sampler.sampler.seen["5"] == (50, 50, 0.0)                        # kept after failed reads
+    with pytest.raises(ValueError, match="names no task"):
+        TaskSampler([{"prompt": "x"}], stats)
+    with pytest.raises(ValueError, match="stats="):
+        TaskSampler(rows)
+    assert len(list(TaskSampler(rows, kind="uniform", batch_size=3))) == 3

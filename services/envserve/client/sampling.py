@@ -32,6 +32,16 @@ class UniformSampler:
     def sample(self, k: int) -> list[str]:
         return [self.rng.choice(self.tasks) for _ in range(k)]
 
+    def weights(self) -> list[float]:
+        return [1.0] * len(self.tasks)
+
+    def sample_distinct(self, k: int) -> list[str]:
+        """k different tasks (all of them, in a drawn order, when there are fewer), each drawn with
+        probability proportional to its weight among those not drawn yet (keys u ** (1 / w))."""
+        keyed = sorted(((self.rng.random() ** (1.0 / w), t) for t, w in zip(self.tasks, self.weights())),
+                       reverse=True)
+        return [t for _, t in keyed[:k]]
+
 
 class LearnabilitySampler(UniformSampler):
     """Tasks drawn with probability proportional to their learnability (see the module)."""

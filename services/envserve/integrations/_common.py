@@ -64,7 +64,8 @@ class Endpoint:
     """Where sessions live and how to reach them; hashable, so equal endpoints share a client.
     address: one address, a tuple of them, or a directory URL. stream: steps as items of the
     replicas' Interact streams (False: a unary Step each). recovery: rebuild a lost session on a
-    live replica (True), not (False), or RecoverySettings."""
+    live replica (True), not (False), or RecoverySettings. stats_scope: the run's name its sessions'
+    finished episodes are counted under (GetTaskStats; empty: not counted)."""
     address: "str | tuple[str, ...]"
     token: str | None = None
     timeout: float | None = 60.0
@@ -72,6 +73,7 @@ class Endpoint:
     tls: bool = False
     stream: bool = True
     recovery: "bool | RecoverySettings" = True
+    stats_scope: str = ""
 
     def __post_init__(self):
         object.__setattr__(self, "address", target_key(self.address))
@@ -87,7 +89,7 @@ class Endpoint:
             if c is None:
                 c = _CLIENTS[self] = StreamingClient(self.address, token=self.token, root_certificates=self.root_certificates,
                                                      tls=self.tls, timeout=self.timeout, recovery=self.recovery,
-                                                     stream_steps=self.stream)
+                                                     stream_steps=self.stream, stats_scope=self.stats_scope)
             return c
 
     def spec(self, env_id: str):

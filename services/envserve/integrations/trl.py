@@ -35,7 +35,7 @@ import os
 import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, NamedTuple, Sequence, Union
 
 from envserve.client import RecoverySettings
 from envserve.client.experts import fields_answer, needs_observation, needs_prediction, plain_answer, session_settings
@@ -58,7 +58,7 @@ def environment_factory(address: "str | Sequence[str]", env_id: str, config: Map
                         root_certificates: "bytes | str | None" = None, tls: bool = False,
                         judge_address: str | None = None, judge_token: str | None = None,
                         judge_weight: float = 1.0, judge_scope: str | None = None, stream: bool = True,
-                        recovery: "bool | RecoverySettings" = True) -> type:
+                        recovery: "bool | RecoverySettings" = True, stats_scope: str = "") -> type:
     """A class for `GRPOTrainer(environment_factory=...)` whose instances are sessions of `env_id`.
 
     address: one replica's address, several (a list, or a string joined by commas) or a directory
@@ -66,7 +66,9 @@ def environment_factory(address: "str | Sequence[str]", env_id: str, config: Map
     tool calls travel as items of one Interact stream per replica and process (False: a unary Step
     each; the same results). recovery: a session whose replica died or drained is rebuilt on a
     live one by replaying its history and the tool answers as if nothing happened (False: the
-    rollout ends with the error as text; or RecoverySettings).
+    rollout ends with the error as text; or RecoverySettings). stats_scope: the run's name, under which
+    the replicas count each finished episode per task (the class's `task_stats()`; what
+    `LearnabilitySampling` draws the dataset's rows by).
 
     config and action_format are Open's. tools: "auto" (typed tools from the spec's action space, e.g.
     `move(direction)` for Sokoban and FrozenLake, `reveal(row, col)` for Minesweeper) or "act" (one
@@ -95,7 +97,7 @@ def environment_factory(address: "str | Sequence[str]", env_id: str, config: Map
     if judge_address and not judged:
         raise ValueError(f"a judge scores <observation> and <prediction> texts; action format {action_format!r} "
                          "has neither (use grounding, worldmodeling or grounding_worldmodeling)")
-    pool = _Pool(Endpoint(address, token, timeout, root_certificates, tls, stream, recovery))
+    pool = _Pool(Endpoint(address, token, timeout, root_certificates, tls, stream, recovery, stats_scope))
     spec = pool.endpoint.spec(env_id)
     if spec.action_formats and action_format not in spec.action_formats:
         raise ValueError(f"{env_id} accepts action formats {list(spec.action_formats)}, not {action_format!r}")
@@ -201,6 +203,13 @@ class EnvServeEnvironment:
         cls._pool.close()
         if cls._judge is not None:
             cls._judge.close()
+
+    @classmethod
+    def task_stats(cls) -> list:
+        """The outcome statistics of the factory's stats scope for its env (GetTaskStats)."""
+        if not cls._pool.endpoint.stats_scope:
+            raise ValueError("this factory counts no outcomes: environment_factory(..., stats_scope='my-run')")
+        return cls._pool.client().task_stats(cls._env_id)
 
     @property
     def session_id(self) -> str:
@@ -423,3 +432,57 @@ def _act_tool(space: str, max_actions: int, separator: str) -> Callable:
         What happened, the new observation and the reward.
     """
     return act
+
+
+class LearnabilitySampling:
+    """A mixin for TRL's GRPOTrainer that draws each generation batch's rows where the run can learn:
+
+        class Trainer(LearnabilitySampling, GRPOTrainer): ...
+        FrozenLake = environment_factory(address, "frozenlake", stats_scope="run-7")
+        Trainer(model, args=..., train_dataset=exported_rows, environment_factory=FrozenLake).train()
+
+    The rows name their tasks (`envserve tasks export ... --format trl`); before each generation batch
+    the weights are read again from the factory's outcome statistics (p(1-p), unseen tasks explored,
+    none below `task_sampler_floor` of the largest; `task_sampler_cost_power` divides by env steps per
+    episode). Each drawn row is repeated num_generations times in a row (one GRPO group) and the
+    batch reused as TRL's own sampler does. With several processes the main one reads the
+    statistics and broadcasts them, so every process draws the same rows."""
+
+    task_sampler_floor = 0.05
+    task_sampler_cost_power = 0.0
+
+    def _get_train_sampler(self, dataset=None):
+        from .task_sampler import TaskSampler
+        dataset = self.train_dataset if dataset is None else dataset
+        factories = [f for f in (self.environment_factories or {}).values()
+                     if isinstance(f, type) and issubclass(f, EnvServeEnvironment)]
+        if len(factories) != 1:
+            raise ValueError("LearnabilitySampling needs one envserve environment_factory (with a stats_scope)")
+        stats = factories[0].task_stats
+        stats()   # a factory without a scope fails here, before training starts
+        if self.accelerator.num_processes > 1:
+            stats = _broadcast_from_main(self.accelerator, stats)
+        return TaskSampler(dataset, stats, "learnability", mini_repeat_count=self.num_generations,
+                           batch_size=self.args.generation_batch_size // self.num_generations,
+                           repeat_count=self.num_iterations * self.args.steps_per_generation, seed=self.args.seed,
+                           floor=self.task_sampler_floor, cost_power=self.task_sampler_cost_power)
+
+
+def _broadcast_from_main(accelerator, read: Callable[[], list]) -> Callable[[], list]:
+    """read() on the main process, its result on every process: they draw from one table."""
+    from accelerate.utils import broadcast_object_list
+
+    def stats() -> list:
+        box = [[(s.task_id, s.episodes, s.successes, s.turns_sum) for s in read()] if accelerator.is_main_process
+               else None]
+        broadcast_object_list(box)
+        return [_Stat(*row) for row in box[0]]
+    return stats
+
+
+class _Stat(NamedTuple):
+    """What the samplers read of a TaskStat, as it travels between processes."""
+    task_id: str
+    episodes: int
+    successes: int
+    turns_sum: float
