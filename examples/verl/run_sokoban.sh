@@ -5,7 +5,10 @@
 #   envserve serve sokoban --port 50051 &            # or a directory of replicas: redis://host:6379/0
 #   ENVSERVE_ADDRESS=127.0.0.1:50051 MODEL=Qwen/Qwen2.5-0.5B-Instruct examples/verl/run_sokoban.sh
 #
-# Writes the dataset first when DATA has none (write_dataset.py). Extra arguments are more hydra
+# Exports the dataset first when DATA has none: the first TRAIN_TASKS (512) tasks of Sokoban's train split
+# and VAL_TASKS (32) of its test split, as verl's rows (`envserve tasks export --format verl`). For
+# the tool-calling route write it with write_dataset.py --agent-name tool_agent instead (its prompt
+# holds the first observation, which ToolAgentLoop shows before any tool call). Extra arguments are more hydra
 # overrides (e.g. trainer.total_training_steps=5). verl's rollout needs vLLM or SGLang on a GPU; the
 # tool-calling route (ToolAgentLoop + EnvServeTool from tools.yaml) is the last override block's
 # alternative, shown commented out. DRY_RUN=1 prints the command instead of running it.
@@ -18,7 +21,11 @@ DATA=${DATA:-$HOME/data/envserve-sokoban}
 GPUS=${GPUS:-1}
 
 if [[ ! -f "$DATA/train.parquet" || ! -f "$DATA/val.parquet" ]]; then
-  "$PYTHON" "$HERE/write_dataset.py" --address "$ENVSERVE_ADDRESS" --env-id sokoban --out-dir "$DATA"
+  mkdir -p "$DATA"
+  "$PYTHON" -m envserve.cli tasks export sokoban --split train --limit "${TRAIN_TASKS:-512}" --format verl \
+    --address "$ENVSERVE_ADDRESS" --out "$DATA/train.parquet" >&2
+  "$PYTHON" -m envserve.cli tasks export sokoban --split test --limit "${VAL_TASKS:-32}" --format verl \
+    --address "$ENVSERVE_ADDRESS" --out "$DATA/val.parquet" >&2
 fi
 
 OVERRIDES=(

@@ -41,11 +41,12 @@ def dataset(sokoban, tmp_path_factory) -> Path:
     return data
 
 
-def dry_run(sokoban, data: Path, *extra: str) -> list[str]:
-    """The run script's command, one word a line (DRY_RUN=1), with the dataset already written."""
+def dry_run(sokoban, data: Path, *extra: str, env: dict | None = None) -> list[str]:
+    """The run script's command, one word a line (DRY_RUN=1); it exports the dataset where `data`
+    has none."""
     out = run_example([str(VERL / "run_sokoban.sh"), *extra],
                       env={"DRY_RUN": "1", "PYTHON": sys.executable, "DATA": str(data),
-                           "ENVSERVE_ADDRESS": sokoban.address, "MODEL": "/models/tiny"}).stdout
+                           "ENVSERVE_ADDRESS": sokoban.address, "MODEL": "/models/tiny", **(env or {})}).stdout
     lines = out.splitlines()
     assert lines[0] == f"{sys.executable} -m verl.trainer.main_ppo"
     return lines[1:]
@@ -75,6 +76,28 @@ def test_the_writer_writes_one_row_per_level_with_verls_columns(sokoban, dataset
     bad = run_example(["verl/write_dataset.py", "--address", sokoban.address, "--train", "0", "--out-dir",
                        dataset / "bad"], check=False)
     assert bad.returncode == 2 and "--train must be >= 1" in bad.stderr
+
+
+@pytest.fixture(scope="module")
+def exported(sokoban, tmp_path_factory) -> Path:
+    """The recipe's own dataset: run with an empty DATA, it exports Sokoban's splits with the CLI."""
+    data = tmp_path_factory.mktemp("verl-exported") / "data"
+    dry_run(sokoban, data, env={"TRAIN_TASKS": "5", "VAL_TASKS": "2"})
+    return data
+
+
+def test_the_recipe_exports_the_listed_tasks_as_verls_rows(sokoban, exported):
+    from envserve.client import EnvClient
+    train, val = pd.read_parquet(exported / "train.parquet"), pd.read_parquet(exported / "val.parquet")
+    assert list(train.columns) == ["data_source", "prompt", "ability", "reward_model", "agent_name", "extra_info"]
+    with EnvClient(sokoban.address) as c:
+        listed = {s: c.list_tasks("sokoban", s, n).tasks for s, n in (("train", 5), ("test", 2))}
+    for frame, split in ((train, "train"), (val, "test")):
+        assert [e["task_id"] for e in frame.extra_info] == [t.task_id for t in listed[split]]
+        assert [e["seed"] for e in frame.extra_info] == [t.seed for t in listed[split]]
+        assert {e["env_id"] for e in frame.extra_info} == {"sokoban"} and set(frame.agent_name) == {"envserve_agent"}
+    assert [e["tools_kwargs"]["move"]["create_kwargs"]["seed"] for e in train.extra_info] == [t.seed for t in listed["train"]]
+    assert not live_session_ids(sokoban.address, "sokoban")
 
 
 def classes_in(module: Path) -> set[str]:
@@ -152,3 +175,43 @@ def test_verl_composes_validates_and_reads_the_recipe(sokoban, dataset, tmp_path
         return response.text
     grid = row["raw_prompt"][0]["content"].split("\n\n", 1)[1]
     assert grid in asyncio.run(first())
+
+
+@verl_only
+def test_verls_dataset_and_sampler_read_the_exported_rows(sokoban, exported, tmp_path, monkeypatch):
+    """verl's RLHFDataset reads the exported parquet, and a DataLoader made as verl's trainer makes
+    its own (verl's collate_fn, the sampler given to RayPPOTrainer) draws batches of different tasks
+    through EnvServeTaskSampler, weighted by the outcome statistics of the run's scope (a task
+    always solved drawn least)."""
+    pytest.importorskip("verl")
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+    from torch.utils.data import DataLoader
+    from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
+
+    from envserve.client import EnvClient
+    from envserve.client.experts import play_expert
+    from envserve_trainer.models.small import build_tokenizer
+    from outcomes import stats_when
+    from envserve.integrations.verl import EnvServeTaskSampler
+
+    scope = f"verl-sampler-{os.getpid()}"
+    with EnvClient(sokoban.address, stats_scope=scope) as c:
+        play_expert(c, "sokoban", [0] * 10, "no_think")           # train task 0: always solved
+        stats_when(c, "sokoban", 10)
+    build_tokenizer(["Solve the task. # _ P X O"]).save_pretrained(tmp_path)
+    data_cfg = OmegaConf.create({
+        "train_files": str(exported / "train.parquet"), "prompt_key": "prompt", "max_prompt_length": 1024,
+        "return_raw_chat": True, "filter_overlong_prompts": False, "truncation": "error", "train_batch_size": 2,
+        "dataloader_num_workers": 0, "seed": 0, "shuffle": True,
+        "sampler": {"stats_scope": scope, "address": sokoban.address}})
+    rows = RLHFDataset(data_files=data_cfg.train_files, tokenizer=AutoTokenizer.from_pretrained(tmp_path),
+                       config=data_cfg)
+    assert len(rows) == 5 and rows[2]["extra_info"]["seed"] == 2
+    sampler = EnvServeTaskSampler(rows, data_cfg)
+    assert len(sampler) == 4
+    loader = DataLoader(rows, batch_size=2, sampler=sampler, collate_fn=collate_fn, drop_last=True)
+    batches = [[int(e["seed"]) for e in b["extra_info"]] for b in loader]
+    assert len(batches) == 2 and all(len(set(b)) == 2 for b in batches)   # a batch's rows: different tasks
+    drawn = [i for _ in range(300) for i in sampler.tasks.draw_batch()]
+    assert drawn.count(0) < min(drawn.count(i) for i in range(1, 5)) / 2

@@ -21,9 +21,10 @@ each generate call sends the conversation's images as `image_data`, and the outp
 
 Settings, in increasing precedence: the agent-loop entry of `agent_loop_config_path` (keys passed to
 the constructor: address, env_id, env_config, action_format, max_turns, token, timeout, stream,
-recovery), then the
+recovery, stats_scope), then the
 dataset row (columns, or keys of its `extra_info`): env_id, env_config, action_format, seed, task_id,
-split. The address may also come from the ENVSERVE_ADDRESS variable. It is one replica's address,
+split. The address may also come from the ENVSERVE_ADDRESS variable, the stats scope (the run's name
+its finished episodes are counted under, GetTaskStats) from ENVSERVE_STATS_SCOPE. It is one replica's address,
 several (a list, or a string joined by commas) or a directory URL (`redis://host:6379/0`): sessions go
 to the least-loaded replica, and a session whose replica died or drained is rebuilt on a live one by
 replaying its history (`recovery: false` ends the episode instead). Steps travel on one Interact stream
@@ -46,6 +47,11 @@ ToolResponse's `image`, which verl's ToolAgentLoop makes image blocks of the too
     tools:
       - class_name: envserve.integrations.verl.EnvServeTool
         config: {type: native, address: "envserve:50051", env_id: frozenlake}
+
+**The sampler** (`EnvServeTaskSampler`): each batch of rows drawn where the run can learn, by the
+outcome statistics of the stats scope the agent loop's sessions count under. verl 0.9 takes it as
+`RayPPOTrainer(..., train_sampler=EnvServeTaskSampler(train_dataset, config.data))`; it has the
+constructor of verl's pluggable samplers (`data.sampler.class_path` in the verl releases that read it).
 """
 from __future__ import annotations
 
@@ -57,6 +63,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 from uuid import uuid4
+
+from torch.utils.data import Sampler
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
 from verl.tools.base_tool import BaseTool
@@ -83,12 +91,12 @@ _tables: dict[tuple, SessionTable] = {}
 
 
 def _client(address: "str | Sequence[str]", token: str | None, timeout: float | None, stream: bool = True,
-            recovery: "bool | RecoverySettings" = True) -> AsyncRoutedClient:
+            recovery: "bool | RecoverySettings" = True, stats_scope: str = "") -> AsyncRoutedClient:
     per_loop = _clients.setdefault(asyncio.get_running_loop(), {})
-    key = (target_key(address), token, timeout, bool(stream), recovery)
+    key = (target_key(address), token, timeout, bool(stream), recovery, stats_scope)
     if key not in per_loop:
         client = per_loop[key] = AsyncRoutedClient(key[0], token=token, timeout=timeout, stream_steps=bool(stream),
-                                                   recovery=recovery)
+                                                   recovery=recovery, stats_scope=stats_scope)
         client.sessions = _tables.setdefault(key, client.sessions)
     return per_loop[key]
 
@@ -122,6 +130,7 @@ class EpisodeSettings:
     timeout: Optional[float] = 60.0
     stream: bool = True
     recovery: Any = True
+    stats_scope: str = ""
 
 
 @register(AGENT_NAME)
@@ -131,14 +140,15 @@ class EnvServeAgentLoop(AgentLoopBase):
     def __init__(self, *args, address: str | None = None, env_id: str | None = None,
                  env_config: Mapping[str, Any] | None = None, action_format: str = "", max_turns: int = 0,
                  token: str | None = None, timeout: float | None = 60.0, stream: bool = True,
-                 recovery: "bool | RecoverySettings" = True, tools=None, **kwargs):
+                 recovery: "bool | RecoverySettings" = True, stats_scope: str = "", tools=None, **kwargs):
         # `tools` (verl's tool list) and `name` (the registry entry's) are verl's; this loop has no tools.
         kwargs.pop("name", None)
         super().__init__(*args, **kwargs)
         self.defaults = dict(address=address or os.environ.get("ENVSERVE_ADDRESS", ""), env_id=env_id or "",
                              env_config=dict(_plain(env_config) or {}), action_format=action_format or "",
                              max_turns=int(max_turns or 0), token=token, timeout=timeout, stream=stream,
-                             recovery=recovery)
+                             recovery=recovery,
+                             stats_scope=stats_scope or os.environ.get("ENVSERVE_STATS_SCOPE", ""))
         self.response_length = int(self.rollout_config.response_length)
 
     def settings(self, row: Mapping[str, Any]) -> EpisodeSettings:
@@ -159,12 +169,13 @@ class EnvServeAgentLoop(AgentLoopBase):
             action_format=str(s.get("action_format") or ""), max_turns=int(s.get("max_turns") or 0),
             seed=None if seed is None or seed == "" else int(seed), task_id=str(s.get("task_id") or ""),
             split=str(s.get("split") or ""), token=s.get("token"), timeout=s.get("timeout"),
-            stream=bool(s.get("stream", True)), recovery=s.get("recovery", True))
+            stream=bool(s.get("stream", True)), recovery=s.get("recovery", True),
+            stats_scope=str(s.get("stats_scope") or ""))
 
     @rollout_trace_op
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
         s = self.settings(kwargs)
-        client = _client(s.address, s.token, s.timeout, s.stream, s.recovery)
+        client = _client(s.address, s.token, s.timeout, s.stream, s.recovery, s.stats_scope)
         sids, system_prompt = await client.open_with_prompt(s.env_id, 1, s.env_config, s.action_format)
         sid = sids[0]
         try:
@@ -306,6 +317,7 @@ class EnvServeTool(BaseTool):
         self.include_rules = bool(config.get("include_rules", True))
         self.stream = bool(config.get("stream", True))
         self.recovery = config.get("recovery", True)
+        self.stats_scope = str(config.get("stats_scope") or os.environ.get("ENVSERVE_STATS_SCOPE", ""))
         self.spec = Endpoint(self.address, self.token, self.timeout).spec(self.env_id)
         self.action_format = config.get("action_format") or self.spec.default_action_format or "no_think"
         plain_answer(self.action_format, ["x"])  # an unknown format fails here, not mid-rollout
@@ -322,7 +334,7 @@ class EnvServeTool(BaseTool):
 
     def _client(self) -> AsyncRoutedClient:
         # The running event loop's client: the session table is shared, so any loop's client reaches it.
-        return _client(self.address, self.token, self.timeout, self.stream, self.recovery)
+        return _client(self.address, self.token, self.timeout, self.stream, self.recovery, self.stats_scope)
 
     def session_id(self, instance_id: str) -> str:
         return self._instances[instance_id].session_id
@@ -469,3 +481,49 @@ def _tool_schema(spec, mode: str) -> OpenAIFunctionToolSchema:
                   parameters=dict(type="object", required=["action"], properties=dict(
                       action=dict(type="string", description=f"The action: {space}."))))
     return OpenAIFunctionToolSchema.model_validate({"type": "function", "function": fn})
+
+
+# -- the sampler -----------------------------------------------------------------------------------
+class EnvServeTaskSampler(Sampler):
+    """verl's dataset sampler drawing each batch's rows by learnability (p(1-p) of each row's task's
+    success so far, unseen tasks explored, a floor: envserve.client.sampling), from the outcome
+    statistics the replicas keep for the run's stats scope. verl repeats each row rollout.n times
+    itself, so a batch holds train_batch_size different tasks where the dataset has that many.
+
+    Its settings are keys of `data.sampler` (`+data.sampler.stats_scope=run-7`): stats_scope
+    (else ENVSERVE_STATS_SCOPE; the agent loop or tool must open its sessions under the same one),
+    address (else ENVSERVE_ADDRESS), token, floor (0.05), cost_power (0). The rows name their env and
+    task in extra_info (`envserve tasks export --format verl`); all of one env. The weights are read
+    again before each batch, so update(), which verl's curriculum samplers take after each step, has
+    nothing to add."""
+
+    def __init__(self, data_source, data_config):
+        from envserve.integrations.task_sampler import TaskSampler
+        cfg = _plain(data_config.get("sampler")) or {}
+        address = cfg.get("address") or os.environ.get("ENVSERVE_ADDRESS", "")
+        scope = str(cfg.get("stats_scope") or os.environ.get("ENVSERVE_STATS_SCOPE", ""))
+        if not address or not scope:
+            raise ValueError("EnvServeTaskSampler needs an address and a stats scope: data.sampler.address or "
+                             "ENVSERVE_ADDRESS, data.sampler.stats_scope or ENVSERVE_STATS_SCOPE")
+        # verl's RLHFDataset tokenizes in __getitem__: the task columns are read from its table.
+        table = getattr(data_source, "dataframe", data_source)
+        rows = [{"extra_info": _plain(r.get("extra_info")) or {}, **{k: _plain(r[k]) for k in ("seed", "task_id")
+                 if k in r}} for r in (table[i] for i in range(len(table)))]
+        envs = {str(r["extra_info"].get("env_id") or "") for r in rows}
+        if len(envs) != 1 or "" in envs:
+            raise ValueError(f"EnvServeTaskSampler draws the rows of one env named in extra_info.env_id; found {sorted(envs)}")
+        self.env_id = envs.pop()
+        self.endpoint = Endpoint(address, cfg.get("token"), stats_scope=scope)
+        batch = int(data_config.get("gen_batch_size") or data_config.get("train_batch_size") or 1)
+        self.tasks = TaskSampler(rows, lambda: self.endpoint.client().task_stats(self.env_id), batch_size=batch,
+                                 seed=int(data_config.get("seed") or 0), floor=float(cfg.get("floor", 0.05)),
+                                 cost_power=float(cfg.get("cost_power", 0.0)))
+
+    def __iter__(self):
+        return iter(self.tasks)
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def update(self, batch=None, *args, **kwargs) -> None:
+        pass
