@@ -61,7 +61,9 @@ def starting_policy(cfg, out: Path, demos: int, conn) -> str:
     from envserve.client import EnvClient
     from envserve_trainer.api import SFTTrainer, collect, load_pretrained, policy_folder
     d = cfg.to_dict()
-    key = json.dumps({"env": d["env"], "sft": d["sft"], "model": d["model"], "demos": demos}, sort_keys=True)
+    # What the demonstrations and the fine-tuning depend on (not which tasks RL trains on).
+    env = {k: d["env"][k] for k in ("env_id", "env_config", "action_format", "seed_start")}
+    key = json.dumps({"env": env, "sft": d["sft"], "model": d["model"], "demos": demos}, sort_keys=True)
     done = out / "sft" / "done.json"
     if done.exists() and json.loads(done.read_text()).get("key") == key:
         return json.loads(done.read_text())["policy"]

@@ -17,10 +17,10 @@ from serverproc import ServerProcess, start_together
 def test_a_directory_sums_outcomes_forgets_stale_tasks_and_keeps_the_most_recent(kind, redis_server):
     d = MemoryDirectory() if kind == "memory" else RedisDirectory.from_url(redis_server.url)
     now = time.time()
-    d.record_outcomes("s", {"1": TaskOutcomes(2, 1, 3.0, 10, now), "2": TaskOutcomes(1, 0, -1.0, 5, now)}, 3600, 3)
-    d.record_outcomes("s", {"1": TaskOutcomes(1, 1, 2.0, 4, now + 1)}, 3600, 3)
+    d.record_outcomes("s", {"1": TaskOutcomes(2, 1, 3.0, 10, now, 40), "2": TaskOutcomes(1, 0, -1.0, 5, now)}, 3600, 3)
+    d.record_outcomes("s", {"1": TaskOutcomes(1, 1, 2.0, 4, now + 1, 9)}, 3600, 3)
     got = d.task_stats("s")
-    assert got["1"] == TaskOutcomes(3, 2, 5.0, 14, pytest.approx(now + 1)) and got["2"].episodes == 1
+    assert got["1"] == TaskOutcomes(3, 2, 5.0, 14, pytest.approx(now + 1), 49) and got["2"].episodes == 1
     # Past max_tasks the least recently recorded go; past the TTL, stale ones.
     d.record_outcomes("s", {"3": TaskOutcomes(1, 0, 0.0, 1, now + 2), "4": TaskOutcomes(1, 0, 0.0, 1, now + 3)}, 3600, 3)
     assert set(d.task_stats("s")) == {"1", "3", "4"}
@@ -45,6 +45,19 @@ def test_episodes_on_two_replicas_behind_redis_appear_in_one_table(redis_server)
             assert on_a.task_stats("frozenlake", "another-run") == []
         with RoutedClient(redis_server.url, stats_scope="run-7") as routed:
             assert {t.task_id: t.episodes for t in routed.task_stats("frozenlake")} == {"1": 1, "2": 3, "3": 2}
+
+
+def test_generated_tokens_reported_with_each_step_are_summed_per_episode():
+    with ServerProcess(["frozenlake"], workers=1, metrics=False) as s, \
+            EnvClient(s.address, stats_scope="tokens-run") as c:
+        sids = c.open("frozenlake", 2, {"max_turns": 2})
+        c.reset(sids, [3, 4])
+        c.step([(sids[0], LEFT, 5), (sids[1], LEFT)])          # a step may report none
+        c.step([(sids[0], LEFT, 7), (sids[1], LEFT, 11)])
+        c.reset([sids[0]], [3])
+        c.step([(sids[0], LEFT, 100)])                           # an episode not finished: not counted
+        found = stats_when(c, "frozenlake", 2)
+        assert {t: (o.episodes, o.tokens_sum) for t, o in found.items()} == {"3": (1, 12), "4": (1, 11)}
 
 
 def test_a_scope_is_its_tokens_own(tmp_path):

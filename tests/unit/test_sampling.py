@@ -33,6 +33,15 @@ def test_cost_weighs_learnability_per_env_step():
     assert s.weight("short") == pytest.approx(10 * s.weight("long"))
 
 
+def test_cost_in_generated_tokens_weighs_learnability_per_token():
+    s = LearnabilitySampler(["terse", "verbose"], cost_power=1.0, cost="tokens")
+    s.update([SimpleNamespace(task_id="terse", episodes=10, successes=5, turns_sum=50, tokens_sum=400),
+              SimpleNamespace(task_id="verbose", episodes=10, successes=5, turns_sum=50, tokens_sum=960)])
+    assert s.weight("terse") == pytest.approx(2.4 * s.weight("verbose"))
+    with pytest.raises(ValueError, match="cost"):
+        LearnabilitySampler(["a"], cost="seconds")
+
+
 def test_refresh_reads_the_source_and_the_same_seed_draws_the_same_tasks():
     source = [stat("x", 4, 2)]
     a = LearnabilitySampler(["x", "y"], seed=7, stats=lambda: source)

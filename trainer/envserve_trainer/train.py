@@ -153,7 +153,7 @@ def task_sampler(cfg: TrainConfig):
     from envserve.client.sampling import make_sampler
     seeds = [str(cfg.env.seed_start + i) for i in range(cfg.env.num_tasks)]
     return make_sampler(r.task_sampler, seeds, seed=cfg.run.seed, floor=r.sampler_floor,
-                        cost_power=r.sampler_cost_power)
+                        cost_power=r.sampler_cost_power, cost=r.sampler_cost)
 
 
 def eval_task_sets(cfg: TrainConfig) -> dict[str, list[Task]]:

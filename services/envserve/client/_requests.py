@@ -37,9 +37,14 @@ def reset_request(session_ids: Sequence[str], seeds=None, task_id: str = "", spl
                                   for s, seed in zip(session_ids, seeds)])
 
 
-def step_request(actions: "Mapping[str, str] | Iterable[tuple[str, str]]") -> pb.StepRequest:
-    pairs = actions.items() if isinstance(actions, Mapping) else actions
-    return pb.StepRequest(items=[pb.StepItem(session_id=s, action=a) for s, a in pairs])
+def step_item(session_id: str, action: str, generated_tokens: int = 0) -> pb.StepItem:
+    return pb.StepItem(session_id=session_id, action=action, generated_tokens=int(generated_tokens))
+
+
+def step_request(actions: "Mapping[str, str] | Iterable[tuple]") -> pb.StepRequest:
+    """Items from {session: action} or (session, action[, generated tokens]) tuples."""
+    items = actions.items() if isinstance(actions, Mapping) else actions
+    return pb.StepRequest(items=[step_item(*it) for it in items])
 
 
 def get_state_request(session_id: str, turn: int = -1, episode: int | None = None,

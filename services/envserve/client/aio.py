@@ -251,13 +251,13 @@ class InteractStream:
         finally:
             self._writer = None
 
-    def send_steps(self, actions: "Mapping[str, str] | Iterable[tuple[str, str]]") -> list[int]:
-        pairs = actions.items() if isinstance(actions, Mapping) else actions
-        return self._send([pb.InteractItem(tag=next(self._tags), step=pb.StepItem(session_id=sid, action=a))
-                           for sid, a in pairs])
+    def send_steps(self, actions: "Mapping[str, str] | Iterable[tuple]") -> list[int]:
+        """Steps from {session: action} or (session, action[, generated tokens]) tuples; their tags."""
+        items = actions.items() if isinstance(actions, Mapping) else actions
+        return self._send([pb.InteractItem(tag=next(self._tags), step=rq.step_item(*it)) for it in items])
 
-    def send_step(self, session_id: str, action: str) -> int:
-        return self.send_steps([(session_id, action)])[0]
+    def send_step(self, session_id: str, action: str, generated_tokens: int = 0) -> int:
+        return self.send_steps([(session_id, action, generated_tokens)])[0]
 
     def send_reset(self, session_id: str, seed: int | None = None, task_id: str = "", split: str = "",
                    same_task: bool = False) -> int:

@@ -184,7 +184,7 @@ class AsyncRoutedClient(Router):
             return list((await c._call(c.env.Reset, pb.ResetRequest(items=its))).results)
         return await self._items(items, self._over_stream if self.stream_steps else call, step=False)
 
-    async def step(self, actions: "Mapping[str, str] | Iterable[tuple[str, str]]") -> list[pb.StepResult]:
+    async def step(self, actions: "Mapping[str, str] | Iterable[tuple]") -> list[pb.StepResult]:
         items = list(rq.step_request(actions).items)
 
         async def call(c: AsyncEnvClient, its):
@@ -435,7 +435,7 @@ class RoutedStream:
             self._recovery = None
 
     async def _put(self, ours: int, sid: str, item: tuple, attempts: int = 0) -> None:
-        """Sends item (("step", action) or ("reset", seed, task_id, split, same_task)) for the caller's
+        """Sends item (("step", action, tokens) or ("reset", seed, task_id, split, same_task)) for the caller's
         session sid to wherever that session is now."""
         real = self._client.sessions.current(sid)
         r = await self._client._resolve(real)
@@ -444,7 +444,7 @@ class RoutedStream:
             return
         s = await self._stream_for(r)
         try:
-            local = s.send_step(real, item[1]) if item[0] == "step" else s.send_reset(real, *item[1:])
+            local = s.send_step(real, *item[1:]) if item[0] == "step" else s.send_reset(real, *item[1:])
         except EOFError as e:
             # The call ended before its reader noticed: forget the stream; the next send opens another.
             if self._streams.get(r.replica_id) is s:
@@ -461,12 +461,14 @@ class RoutedStream:
         await self._put(ours, session_id, item)
         return ours
 
-    async def send_step(self, session_id: str, action: str) -> int:
-        return await self._send(session_id, ("step", action))
+    async def send_step(self, session_id: str, action: str, generated_tokens: int = 0) -> int:
+        """generated_tokens: what the caller's model generated for the action, counted into the
+        episode's outcome statistics where the session has a stats scope."""
+        return await self._send(session_id, ("step", action, generated_tokens))
 
-    async def send_steps(self, actions: "Mapping[str, str] | Iterable[tuple[str, str]]") -> list[int]:
-        pairs = actions.items() if isinstance(actions, Mapping) else actions
-        return [await self.send_step(sid, a) for sid, a in pairs]
+    async def send_steps(self, actions: "Mapping[str, str] | Iterable[tuple]") -> list[int]:
+        items = actions.items() if isinstance(actions, Mapping) else actions
+        return [await self.send_step(*it) for it in items]
 
     async def send_reset(self, session_id: str, seed: int | None = None, task_id: str = "", split: str = "",
                          same_task: bool = False) -> int:

@@ -131,7 +131,7 @@ class EnvClient(ChannelOwner):
         req = rq.reset_request(session_ids, seeds, task_id, split, same_task)
         return list(self._call(self.env.Reset, req).results)
 
-    def step(self, actions: "Mapping[str, str] | Iterable[tuple[str, str]]") -> list[pb.StepResult]:
+    def step(self, actions: "Mapping[str, str] | Iterable[tuple]") -> list[pb.StepResult]:
         return list(self._call(self.env.Step, rq.step_request(actions)).results)
 
     def reset_one(self, session_id: str, seed: int | None = None, **kw) -> pb.StepResult:

@@ -579,7 +579,7 @@ class RoutedClient(Router):
         items = list(rq.reset_request(session_ids, seeds, task_id, split, same_task).items)
         return self._items(items, "Reset", lambda its: pb.ResetRequest(items=its))
 
-    def step(self, actions: "Mapping[str, str] | Iterable[tuple[str, str]]") -> list[pb.StepResult]:
+    def step(self, actions: "Mapping[str, str] | Iterable[tuple]") -> list[pb.StepResult]:
         items = list(rq.step_request(actions).items)
         return self._items(items, "Step", lambda its: pb.StepRequest(items=its))
 

@@ -5,8 +5,9 @@ learnability sampler weighs each task by p(1-p), p its success rate so far (GetT
 every replica over every trainer process of the run's stats scope): tasks solved about half the
 time weigh most, tasks never or always solved least. A task with no episodes yet counts as p = 0.5
 (Beta(1, 1) prior: exploration), and every task keeps at least `floor` of the largest weight, so none
-starves. With cost_power > 0 a task's weight is divided by its mean cost (env steps per episode) to
-that power: learnability per step instead of per episode.
+starves. With cost_power > 0 a task's weight is divided by its mean cost per episode to that power:
+env steps (cost="turns"), or the tokens the callers reported generating (cost="tokens",
+StepItem.generated_tokens): learnability per step or per token instead of per episode.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from typing import Callable, Iterable, Sequence
 
 # p(1-p) of an unseen task under the Beta(1, 1) prior: the largest any task can weigh.
 MAX_LEARNABILITY = 0.25
+# What an episode's cost is read from: TaskStat's field per cost name.
+COSTS = {"turns": "turns_sum", "tokens": "tokens_sum"}
 
 
 class UniformSampler:
@@ -47,17 +50,20 @@ class LearnabilitySampler(UniformSampler):
     """Tasks drawn with probability proportional to their learnability (see the module)."""
 
     def __init__(self, tasks: Sequence[str], seed: int = 0, floor: float = 0.05, cost_power: float = 0.0,
-                 stats: "Callable[[], Iterable] | None" = None):
+                 stats: "Callable[[], Iterable] | None" = None, cost: str = "turns"):
         super().__init__(tasks, seed)
         if not 0 < floor <= 1:
             raise ValueError(f"floor must be in (0, 1], got {floor}")
-        self.floor, self.cost_power, self.source = floor, cost_power, stats
+        if cost not in COSTS:
+            raise ValueError(f"cost must be one of {COSTS}, got {cost!r}")
+        self.floor, self.cost_power, self.source, self.cost = floor, cost_power, stats, cost
         self.seen: dict[str, tuple[int, int, float]] = {}    # task -> (episodes, successes, cost sum)
 
     def update(self, stats: Iterable) -> None:
-        """Takes GetTaskStats' TaskStats (or anything with task_id, episodes, successes, turns_sum):
-        the scope's totals, replacing what was known."""
-        self.seen = {s.task_id: (int(s.episodes), int(s.successes), float(s.turns_sum)) for s in stats}
+        """Takes GetTaskStats' TaskStats (or anything with task_id, episodes, successes and turns_sum
+        or tokens_sum): the scope's totals, replacing what was known."""
+        field = COSTS[self.cost]
+        self.seen = {s.task_id: (int(s.episodes), int(s.successes), float(getattr(s, field, 0))) for s in stats}
 
     def refresh(self) -> None:
         """Reads the statistics again from the source given at construction (a client's task_stats)."""
@@ -80,7 +86,7 @@ class LearnabilitySampler(UniformSampler):
 
 
 def make_sampler(kind: str, tasks: Sequence[str], seed: int = 0, **kw) -> UniformSampler:
-    """"uniform" or "learnability" (kw: floor, cost_power, stats)."""
+    """"uniform" or "learnability" (kw: floor, cost_power, cost, stats)."""
     if kind == "uniform":
         return UniformSampler(tasks, seed)
     if kind == "learnability":

@@ -345,9 +345,11 @@ class StreamingClient:
               same_task: bool = False) -> list[pb.StepResult]:
         return self._run(AsyncRoutedClient.reset, list(session_ids), seeds, task_id, split, same_task)
 
-    def step(self, actions: "Mapping[str, str] | Iterable[tuple[str, str]]") -> list[pb.StepResult]:
+    def step(self, actions: "Mapping[str, str] | Iterable[tuple]") -> list[pb.StepResult]:
         pairs = list(actions.items()) if isinstance(actions, Mapping) else list(actions)
-        if len(pairs) == 1:  # one caller's step: a lane if free, else its replica's shared stream
+        # one caller's step (reporting no generated tokens): a lane if free, else its replica's shared stream
+        if len(pairs) == 1 and not any(pairs[0][2:]):
+            pairs = [tuple(pairs[0][:2])]
             if self.stream_steps:
                 result = self._step_on_lane(*pairs[0])
                 if result is None:

@@ -51,6 +51,7 @@ class TaskOutcomes:
     return_sum: float = 0.0
     turns_sum: int = 0
     last_unix: float = 0.0
+    tokens_sum: int = 0        # what the callers reported generating (StepItem.generated_tokens)
 
     def add(self, other: "TaskOutcomes") -> None:
         self.episodes += other.episodes
@@ -58,6 +59,7 @@ class TaskOutcomes:
         self.return_sum += other.return_sum
         self.turns_sum += other.turns_sum
         self.last_unix = max(self.last_unix, other.last_unix)
+        self.tokens_sum += other.tokens_sum
 
 
 def replica_of(session_id: str) -> str:

@@ -2,8 +2,8 @@
   {p}:replica:{id}  the ReplicaInfo JSON, expiring ttl after the last heartbeat
   {p}:replicas      a sorted set of replica ids scored by expiry time, the index to read them by
   {p}:moved:{session id}  the id a draining replica moved that session to, expiring after a lease
-  {p}:stats:{scope}       a stats scope's per-task sums: fields n:|s:|r:|t:{task id} (episodes,
-                          successes, return, turns) and _ttl; {p}:stats-seen:{scope} scores each
+  {p}:stats:{scope}       a stats scope's per-task sums: fields n:|s:|r:|t:|k:{task id} (episodes,
+                          successes, return, turns, reported tokens) and _ttl; {p}:stats-seen:{scope} scores each
                           task by when it was last recorded. Both expire a TTL after the last write;
                           stale and surplus tasks are pruned at each write.
 The per-replica key's TTL is the truth; the index is pruned as entries expire. Nothing else is
@@ -117,6 +117,7 @@ class RedisDirectory(Directory):
                 pipe.hincrby(sums, f"s:{task_id}", o.successes)
                 pipe.hincrbyfloat(sums, f"r:{task_id}", o.return_sum)
                 pipe.hincrby(sums, f"t:{task_id}", o.turns_sum)
+                pipe.hincrby(sums, f"k:{task_id}", o.tokens_sum)
                 pipe.zadd(seen, {task_id: o.last_unix}, gt=True)
             pipe.hset(sums, "_ttl", ttl_seconds)
             pipe.pexpire(sums, ttl_ms)
@@ -130,7 +131,7 @@ class RedisDirectory(Directory):
                 drop = sorted(set(drop) | {t.decode() for t in oldest})
             if drop:
                 pipe = self.client.pipeline(transaction=True)
-                pipe.hdel(sums, *[f"{k}:{t}" for t in drop for k in "nsrt"])
+                pipe.hdel(sums, *[f"{k}:{t}" for t in drop for k in "nsrtk"])
                 pipe.zrem(seen, *drop)
                 pipe.execute()
         except redis.RedisError as e:
@@ -151,7 +152,8 @@ class RedisDirectory(Directory):
             t = task.decode()
             if last >= oldest and f"n:{t}" in values:
                 out[t] = TaskOutcomes(int(values[f"n:{t}"]), int(values.get(f"s:{t}", 0)),
-                                      float(values.get(f"r:{t}", 0)), int(values.get(f"t:{t}", 0)), last)
+                                      float(values.get(f"r:{t}", 0)), int(values.get(f"t:{t}", 0)), last,
+                                      int(values.get(f"k:{t}", 0)))
         return out
 
     def close(self) -> None:

@@ -39,13 +39,14 @@ def row_task(row: Mapping[str, Any]) -> str:
 
 
 class TaskSampler(Sampler):
-    """Row indices by task: see the module. kind: "uniform" or "learnability" (floor, cost_power:
-    envserve.client.sampling.LearnabilitySampler's). stats: returns the scope's TaskStats (a client's
+    """Row indices by task: see the module. kind: "uniform" or "learnability" (floor, cost_power,
+    cost: envserve.client.sampling.LearnabilitySampler's). stats: returns the scope's TaskStats (a client's
     `task_stats(env_id, scope)`); None for uniform."""
 
     def __init__(self, rows: Sequence[Mapping[str, Any]], stats: "Callable[[], Iterable] | None" = None,
                  kind: str = "learnability", *, mini_repeat_count: int = 1, batch_size: int = 1,
-                 repeat_count: int = 1, seed: int = 0, floor: float = 0.05, cost_power: float = 0.0):
+                 repeat_count: int = 1, seed: int = 0, floor: float = 0.05, cost_power: float = 0.0,
+                 cost: str = "turns"):
         if min(mini_repeat_count, batch_size, repeat_count) < 1:
             raise ValueError("mini_repeat_count, batch_size and repeat_count must be >= 1")
         if kind == "learnability" and stats is None:
@@ -54,7 +55,7 @@ class TaskSampler(Sampler):
         for i in range(len(rows)):
             self.rows_of.setdefault(row_task(rows[i]), []).append(i)
         self.num_rows = len(rows)
-        extra = {"floor": floor, "cost_power": cost_power} if kind == "learnability" else {}
+        extra = {"floor": floor, "cost_power": cost_power, "cost": cost} if kind == "learnability" else {}
         self.sampler = make_sampler(kind, list(self.rows_of), seed, **extra)
         self.stats, self.kind = stats, kind
         self.mini_repeat_count, self.batch_size, self.repeat_count = mini_repeat_count, batch_size, repeat_count

@@ -473,7 +473,8 @@ def _broadcast_from_main(accelerator, read: Callable[[], list]) -> Callable[[], 
     from accelerate.utils import broadcast_object_list
 
     def stats() -> list:
-        box = [[(s.task_id, s.episodes, s.successes, s.turns_sum) for s in read()] if accelerator.is_main_process
+        box = [[(s.task_id, s.episodes, s.successes, s.turns_sum, s.tokens_sum) for s in read()]
+               if accelerator.is_main_process
                else None]
         broadcast_object_list(box)
         return [_Stat(*row) for row in box[0]]
@@ -486,3 +487,4 @@ class _Stat(NamedTuple):
     episodes: int
     successes: int
     turns_sum: float
+    tokens_sum: int

@@ -228,7 +228,8 @@ class EnvServeAgentLoop(AgentLoopBase):
             text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
             t0 = loop.time()
             try:
-                result = (await client.step([(sid, text)]))[0]
+                # The answer's tokens count into the episode's outcome statistics (a stats scope's).
+                result = (await client.step([(sid, text, len(out.token_ids))]))[0]
                 err = item_error(result)
             except EnvServeError as e:
                 result, err = None, e
@@ -492,7 +493,7 @@ class EnvServeTaskSampler(Sampler):
 
     Its settings are keys of `data.sampler` (`+data.sampler.stats_scope=run-7`): stats_scope
     (else ENVSERVE_STATS_SCOPE; the agent loop or tool must open its sessions under the same one),
-    address (else ENVSERVE_ADDRESS), token, floor (0.05), cost_power (0). The rows name their env and
+    address (else ENVSERVE_ADDRESS), token, floor (0.05), cost_power (0), cost (turns or tokens). The rows name their env and
     task in extra_info (`envserve tasks export --format verl`); all of one env. The weights are read
     again before each batch, so update(), which verl's curriculum samplers take after each step, has
     nothing to add."""
@@ -517,7 +518,7 @@ class EnvServeTaskSampler(Sampler):
         batch = int(data_config.get("gen_batch_size") or data_config.get("train_batch_size") or 1)
         self.tasks = TaskSampler(rows, lambda: self.endpoint.client().task_stats(self.env_id), batch_size=batch,
                                  seed=int(data_config.get("seed") or 0), floor=float(cfg.get("floor", 0.05)),
-                                 cost_power=float(cfg.get("cost_power", 0.0)))
+                                 cost_power=float(cfg.get("cost_power", 0.0)), cost=str(cfg.get("cost", "turns")))
 
     def __iter__(self):
         return iter(self.tasks)

@@ -603,7 +603,8 @@ class EnvService(pb_grpc.EnvServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the directory cannot be read: {e}")
         return pb.TaskStatsResponse(stats=[
             pb.TaskStat(task_id=t, episodes=o.episodes, successes=o.successes, return_sum=o.return_sum,
-                        turns_sum=o.turns_sum, last_unix=o.last_unix) for t, o in sorted(found.items())])
+                        turns_sum=o.turns_sum, last_unix=o.last_unix, tokens_sum=o.tokens_sum)
+        for t, o in sorted(found.items())])
 
     async def Open(self, request, context):
         owner = await caller(context, self.r.auth.env_owner)
@@ -980,7 +981,7 @@ def _cap(action: str) -> str:
 
 
 def _step_item(it: pb.StepItem) -> tuple:
-    return ("step", it.session_id, _cap(it.action))
+    return ("step", it.session_id, _cap(it.action), it.generated_tokens)
 
 
 def _most_turns(spec, h: pb.SessionHistory) -> int:

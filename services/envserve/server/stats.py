@@ -28,9 +28,11 @@ def scope_of_key(key: str) -> str:
 
 
 def aggregate(records) -> dict[str, dict[str, TaskOutcomes]]:
-    """Workers' finished episodes [(key, task id, success, return, turns, unix)] summed per key and task."""
+    """Workers' finished episodes [(key, task id, success, return, turns, unix, tokens)] summed per key
+    and task."""
     out: dict[str, dict[str, TaskOutcomes]] = {}
-    for key, task_id, success, episode_return, turns, unix in records:
+    for key, task_id, success, episode_return, turns, unix, *tokens in records:
         o = out.setdefault(key, {}).setdefault(task_id, TaskOutcomes())
-        o.add(TaskOutcomes(1, int(bool(success)), float(episode_return), int(turns), float(unix)))
+        o.add(TaskOutcomes(1, int(bool(success)), float(episode_return), int(turns), float(unix),
+                           int(tokens[0]) if tokens else 0))
     return out

@@ -148,6 +148,8 @@ class Worker:
         # episodes finished since the front last collected them.
         self.stats_keys: dict[str, str] = {}
         self.outcomes: collections.deque = collections.deque(maxlen=OUTCOMES_KEPT)
+        # Tokens the caller reported for each recorded session's episode so far (StepItem.generated_tokens).
+        self.episode_tokens: dict[str, int] = {}
 
     # Each op returns what the front receives; per-item ops return serialized StepResults.
     def op_open(self, payload):
@@ -173,7 +175,8 @@ class Worker:
         return ("ok", next(iter(made.values())).system_prompt() if made else "")
 
     def run_item(self, item, index: int = 0) -> bytes:
-        """("step", sid, action) or ("reset", sid, seed, task_id, split, same_task) -> a serialized StepResult."""
+        """("step", sid, action[, generated tokens]) or ("reset", sid, seed, task_id, split, same_task)
+        -> a serialized StepResult."""
         sid = item[1]
         session = self.sessions.get(sid)
         if session is None:
@@ -185,9 +188,8 @@ class Worker:
         try:
             result = session.step(item[2]) if item[0] == "step" else session.reset(*item[2:])
             guard.end()
-            if session.done and item[0] == "step" and sid in self.stats_keys:
-                self.outcomes.append((self.stats_keys[sid], str(session.seed), session.success,
-                                      session.episode_return, session.turn, time.time()))
+            if sid in self.stats_keys:
+                self._count(sid, session, item)
             image = convert.image_of(result)
             if image is not None:
                 self.images[sid] = image
@@ -220,12 +222,26 @@ class Worker:
         here, in parallel workers, so the front only joins them in request order."""
         return [(convert.batch_element(data), seconds) for _, data, seconds in self.op_stream(items)]
 
+    def _count(self, sid: str, session: Session, item: tuple) -> None:
+        """A recorded session's episode: its tokens so far, and its outcome once it is over."""
+        if item[0] != "step":
+            self.episode_tokens.pop(sid, None)
+            return
+        tokens = self.episode_tokens.get(sid, 0) + (int(item[3]) if len(item) > 3 else 0)
+        if not session.done:
+            self.episode_tokens[sid] = tokens
+            return
+        self.episode_tokens.pop(sid, None)
+        self.outcomes.append((self.stats_keys[sid], str(session.seed), session.success,
+                              session.episode_return, session.turn, time.time(), tokens))
+
     def op_close(self, ids):
         found = []
         for sid in ids:
             s = self.sessions.pop(sid, None)
             self.images.pop(sid, None)
             self.stats_keys.pop(sid, None)
+            self.episode_tokens.pop(sid, None)
             found.append(s is not None)
             if s is not None:
                 try:

@@ -118,20 +118,22 @@ class GetTaskStatsRequest(_message.Message):
     def __init__(self, env_id: _Optional[str] = ..., scope: _Optional[str] = ...) -> None: ...
 
 class TaskStat(_message.Message):
-    __slots__ = ("task_id", "episodes", "successes", "return_sum", "turns_sum", "last_unix")
+    __slots__ = ("task_id", "episodes", "successes", "return_sum", "turns_sum", "last_unix", "tokens_sum")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     EPISODES_FIELD_NUMBER: _ClassVar[int]
     SUCCESSES_FIELD_NUMBER: _ClassVar[int]
     RETURN_SUM_FIELD_NUMBER: _ClassVar[int]
     TURNS_SUM_FIELD_NUMBER: _ClassVar[int]
     LAST_UNIX_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_SUM_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     episodes: int
     successes: int
     return_sum: float
     turns_sum: int
     last_unix: float
-    def __init__(self, task_id: _Optional[str] = ..., episodes: _Optional[int] = ..., successes: _Optional[int] = ..., return_sum: _Optional[float] = ..., turns_sum: _Optional[int] = ..., last_unix: _Optional[float] = ...) -> None: ...
+    tokens_sum: int
+    def __init__(self, task_id: _Optional[str] = ..., episodes: _Optional[int] = ..., successes: _Optional[int] = ..., return_sum: _Optional[float] = ..., turns_sum: _Optional[int] = ..., last_unix: _Optional[float] = ..., tokens_sum: _Optional[int] = ...) -> None: ...
 
 class TaskStatsResponse(_message.Message):
     __slots__ = ("stats",)
@@ -200,12 +202,14 @@ class ResetRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[ResetItem, _Mapping]]] = ...) -> None: ...
 
 class StepItem(_message.Message):
-    __slots__ = ("session_id", "action")
+    __slots__ = ("session_id", "action", "generated_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     action: str
-    def __init__(self, session_id: _Optional[str] = ..., action: _Optional[str] = ...) -> None: ...
+    generated_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., action: _Optional[str] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("items",)

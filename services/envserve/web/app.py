@@ -29,7 +29,7 @@ from envserve.rpc.auth import owner_of
 from envserve.v1 import envserve_pb2 as pb
 
 from .gateway import ApiError, Gateway, bearer_token, forwarded, step_failure
-from .limits import HTTP_STATUS, HttpGuard, HttpLimits, error_json, error_response, read_json_body
+from .limits import HttpGuard, HttpLimits, error_json, error_response, read_json_body
 from .page import PAGE
 from .routing import ReplicaTable
 

@@ -292,8 +292,9 @@ class OpenEnvSessions:
         except (ApiError, grpc.RpcError) as e:
             log.info("closing %s: %s", s.session_id, e)
 
-    async def _call(self, s: Session, md: tuple, step: str | None = None,
-                    reset: pb.ResetItem | None = None) -> pb.StepResult:
+    # One step or reset of a session through its replica's batcher (the ORS door calls it too).
+    async def call(self, s: Session, md: tuple, step: str | None = None,
+                   reset: pb.ResetItem | None = None) -> pb.StepResult:
         s.last_used = time.monotonic()
         try:
             batcher = self.gateway.batcher(s.replica, md)
@@ -319,14 +320,14 @@ class OpenEnvSessions:
             s = new
         item = reset_item(s.session_id, opts.get("seed"), opts.get("task_id") or "", opts.get("split") or "",
                           bool(opts.get("same_task", False)))
-        r = await self._call(s, md, reset=item)
+        r = await self.call(s, md, reset=item)
         s.episode_id = opts.get("episode_id")
         s.step_count, s.turn, s.episode, s.done, s.episode_return = 0, r.turn, r.episode, r.done or r.truncated, 0.0
         return s, observation_payload(s, r, reset=True)
 
     async def step(self, s: Session, md: tuple, action: Any) -> dict:
         text = _action_text(action)
-        r = await self._call(s, md, step=text)
+        r = await self.call(s, md, step=text)
         s.step_count += 1
         s.turn, s.episode, s.done = r.turn, r.episode, r.done or r.truncated
         s.episode_return += r.reward

@@ -293,7 +293,7 @@ def mount_ors(app: FastAPI, gateway: Gateway, idle_seconds: float = 300.0,
             del ors[gone]
         s = await store.open(env_id, md, None, ACTION_FORMAT, http=True)
         try:
-            first = await store._call(s, md, reset=pb.ResetItem(session_id=s.session_id, task_id=task_id))
+            first = await store.call(s, md, reset=pb.ResetItem(session_id=s.session_id, task_id=task_id))
         except BaseException:
             await store.close(s, md)
             raise
@@ -347,7 +347,7 @@ def mount_ors(app: FastAPI, gateway: Gateway, idle_seconds: float = 300.0,
             result = {"ok": False, "error": f"{TOOL} takes {{\"action\": \"...\"}}, got {json.dumps(args)[:200]}"}
         else:
             try:
-                r = await store._call(o.session, md, step=f"<answer>{args['action']}</answer>")
+                r = await store.call(o.session, md, step=f"<answer>{args['action']}</answer>")
             except OpenEnvError as e:
                 result = {"ok": False, "error": e.message}
             else:

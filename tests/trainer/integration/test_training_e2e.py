@@ -107,7 +107,8 @@ def test_two_grpo_iterations_learn_save_reload_and_resume(server, tmp_path):
 
 def test_the_learnability_sampler_draws_training_tasks_whose_episodes_the_replica_counts(server, tmp_path):
     from envserve.client import EnvClient
-    cfg = _cfg(env={"num_tasks": 6, "seed_start": 40}, rollout={"task_sampler": "learnability", "sampler_floor": 0.1, "max_turns": 2},
+    cfg = _cfg(env={"num_tasks": 6, "seed_start": 40}, rollout={"task_sampler": "learnability", "sampler_floor": 0.1, "max_turns": 2,
+                                                           "sampler_cost": "tokens", "sampler_cost_power": 1.0},
                run={"iterations": 3, "checkpoint_every": 0, "eval_every": 0, "progress": False})
     trainer, _, records = run_training(cfg, server.address, tmp_path)
     scope = trainer.stats_scope
@@ -127,6 +128,8 @@ def test_the_learnability_sampler_draws_training_tasks_whose_episodes_the_replic
     # Every episode was counted, those the trainer's own turn limit (2) cut as well: that limit
     # became the sessions' own.
     assert all(t.turns_sum <= 2 * t.episodes for t in stats)
+    # Each answer's tokens came with its step: the scope counts every token the rollouts generated.
+    assert sum(t.tokens_sum for t in stats) == sum(r["train"]["generated_tokens"] for r in records) > 0
 
 
 FREE_TEXT = {"max_new_tokens": 12, "allowed_words": [], "response_prefix": "", "response_suffix": "",

@@ -100,10 +100,12 @@ class RolloutSection:
     # Which training tasks an iteration plays: uniform cycles through them in order; learnability
     # draws them by p(1-p) of their success so far, as the replicas record it (envserve.client.sampling),
     # unseen tasks explored and none below sampler_floor of the largest weight; sampler_cost_power > 0
-    # weighs by learnability per env step.
+    # weighs by learnability per unit of sampler_cost: env steps ("turns") or generated tokens
+    # ("tokens", which the rollouts report with each step).
     task_sampler: str = "uniform"
     sampler_floor: float = 0.05
     sampler_cost_power: float = 0.0
+    sampler_cost: str = "turns"
 
     def __post_init__(self) -> None:
         if self.group_size < 1 or self.tasks_per_iteration < 1:
@@ -112,6 +114,7 @@ class RolloutSection:
             raise ValueError(f"rollout.task_sampler must be uniform or learnability, got {self.task_sampler!r}")
         if not 0 < self.sampler_floor <= 1:
             raise ValueError(f"rollout.sampler_floor must be in (0, 1], got {self.sampler_floor}")
+        one_of("rollout.sampler_cost", self.sampler_cost, ("turns", "tokens"))
         one_of("rollout.template", self.template, TEMPLATES)
         one_of("rollout.memory", self.memory, MEMORY_MODES)
         if self.episodes_per_trial < 1:

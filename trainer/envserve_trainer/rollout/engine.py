@@ -237,7 +237,9 @@ class RolloutEngine:
                         for run, gen in zip(batch, gens):
                             if kind == ACT:
                                 run.awaiting = "step"
-                                by_tag[await send(stream.send_step(run.session_id, self._act(run, gen)))] = run
+                                # The answer's tokens count into its episode's outcome statistics.
+                                by_tag[await send(stream.send_step(run.session_id, self._act(run, gen),
+                                                                   len(gen.completion_token_ids)))] = run
                             else:
                                 self._on_reflection(run, gen)
                                 await reset(run, True)
