@@ -173,9 +173,21 @@ def tool_calling_tokenizer(address: str, directions: list[str]):
     return tok, [i for i in range(len(tok)) if i not in allowed]
 
 
-def test_grpo_trainer_learns_from_envserve_rewards(grid_server, tmp_path, monkeypatch):
+def frozenlake_run(address: str, out_dir, **config):
+    """The tool-calling tokenizer, four FrozenLake rows (seeds 0-3) and a CPU GRPOConfig with `config`."""
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig
+    tok, suppress = tool_calling_tokenizer(address, ["Left", "Down", "Right", "Up"])
+    rows = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Reach the goal.\n"}]] * 4,
+                              "seed": [0, 1, 2, 3]})
+    args = GRPOConfig(output_dir=str(out_dir), per_device_train_batch_size=4, logging_steps=1,
+                      generation_kwargs={"suppress_tokens": suppress}, use_cpu=True, bf16=False,
+                      report_to="none", save_strategy="no", seed=0, disable_tqdm=True, **config)
+    return tok, rows, args
+
+
+def test_grpo_trainer_learns_from_envserve_rewards(grid_server, tmp_path, monkeypatch):
+    from trl import GRPOTrainer
 
     from envserve_trainer.models.small import build_small_model
 
@@ -190,14 +202,9 @@ def test_grpo_trainer_learns_from_envserve_rewards(grid_server, tmp_path, monkey
             episodes.append(super().get_reward())
             return episodes[-1]
 
-    tok, suppress = tool_calling_tokenizer(grid_server.address, ["Left", "Down", "Right", "Up"])
+    tok, rows, args = frozenlake_run(grid_server.address, tmp_path, max_steps=2, num_generations=4,
+                                     max_completion_length=48, max_tool_calling_iterations=4)
     model = build_small_model(tok, "tiny", seed=0)
-    rows = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Reach the goal.\n"}]] * 4,
-                              "seed": [0, 1, 2, 3]})
-    args = GRPOConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=48, max_tool_calling_iterations=4, logging_steps=1,
-                      generation_kwargs={"suppress_tokens": suppress}, use_cpu=True, bf16=False,
-                      report_to="none", save_strategy="no", seed=0, disable_tqdm=True)
     trainer = GRPOTrainer(model=model, args=args, train_dataset=rows, processing_class=tok,
                           environment_factory=Recorded)
     try:
@@ -504,8 +511,7 @@ def test_learnability_sampling_puts_grpo_groups_on_the_tasks_the_run_can_learn(g
     """Outcomes recorded under the factory's stats scope: task 0 always solved, task 2 never, task 1
     half the time, task 3 unseen. TRL's trainer with the mixin draws groups of num_generations
     identical rows, mostly tasks 1 and 3, and trains on them."""
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from envserve.client.experts import play_expert
     from envserve.integrations.trl import LearnabilitySampling
@@ -531,13 +537,8 @@ def test_learnability_sampling_puts_grpo_groups_on_the_tasks_the_run_can_learn(g
     class Trainer(LearnabilitySampling, GRPOTrainer):
         pass
 
-    tok, suppress = tool_calling_tokenizer(grid_server.address, ["Left", "Down", "Right", "Up"])
-    rows = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Reach the goal.\n"}]] * 4,
-                              "seed": [0, 1, 2, 3]})
-    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=2,
-                      max_completion_length=32, max_tool_calling_iterations=2, logging_steps=1,
-                      generation_kwargs={"suppress_tokens": suppress}, use_cpu=True, bf16=False,
-                      report_to="none", save_strategy="no", seed=0, disable_tqdm=True)
+    tok, rows, args = frozenlake_run(grid_server.address, tmp_path, max_steps=1, num_generations=2,
+                                     max_completion_length=32, max_tool_calling_iterations=2)
     trainer = Trainer(model=build_small_model(tok, "tiny", seed=0), args=args, train_dataset=rows,
                       processing_class=tok, environment_factory=Recorded)
     try:

@@ -5,11 +5,27 @@ valid=False and feedback that tells the agent what was expected.
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 META_TAGS = ("planning", "explore", "reflection", "monitor")
+# From the first "{" to the last "}": a JSON object an answer holds, with text around it.
+_JSON_OBJECT = re.compile(r"\{.*\}", re.DOTALL)
+
+
+def json_object_in(text: str) -> "dict[str, Any] | None":
+    """The JSON object an action's text holds (envs whose actions are structured: tool calls,
+    typed Action models), or None where it holds none."""
+    match = _JSON_OBJECT.search(text)
+    if not match:
+        return None
+    try:
+        data = json.loads(match.group(0))
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
 
 
 @dataclass

@@ -22,6 +22,7 @@ import typing
 from typing import Any, Mapping
 
 from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, seeded_splits
+from envserve.core.formats import json_object_in
 
 # Turns per episode: OpenEnv environments declare no step limit of their own.
 DEFAULT_MAX_TURNS = 100
@@ -33,7 +34,6 @@ START_PROBE_SEEDS = 8
 _OBSERVATION_BASE_FIELDS = ("done", "reward", "metadata")
 # Field every OpenEnv Action has; it is not part of what the model writes.
 _ACTION_BASE_FIELDS = ("metadata",)
-_JSON_OBJECT = re.compile(r"\{.*\}", re.DOTALL)
 
 
 def _openenv():
@@ -201,13 +201,7 @@ class ActionCodec:
         """(the Action, "") or (None, why it is not one, naming the fields)."""
         from pydantic import ValidationError
         text = text.strip()
-        data: Any = None
-        match = _JSON_OBJECT.search(text)
-        if match:
-            try:
-                data = json.loads(match.group(0))
-            except ValueError:
-                data = None
+        data = json_object_in(text)
         if not isinstance(data, dict):
             if self.plain_field is None:
                 return None, f"Invalid action {text[:80]!r}: expected {self.describe()}."

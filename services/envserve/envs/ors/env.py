@@ -34,6 +34,7 @@ from typing import Any, Mapping
 from urllib.parse import urlparse
 
 from envserve.core.env import ActionOutcome, Environment, EnvSpec, GroundTruth, Split, TaskDescription
+from envserve.core.formats import json_object_in
 
 # Turns per episode: ORS environments declare no step limit of their own.
 DEFAULT_MAX_TURNS = 100
@@ -49,7 +50,6 @@ TASK_FETCH_RANGE = 100
 # What a task's description is read from, in order, where its spec has such a text field.
 _DESCRIPTION_KEYS = ("description", "goal", "instruction", "prompt", "question", "query")
 _TYPE_KEYS = ("task_type", "type", "category", "kind")
-_JSON_OBJECT = re.compile(r"\{.*\}", re.DOTALL)
 
 
 # -- the one event loop each process talks ORS from ------------------------------------------
@@ -203,13 +203,7 @@ class ToolCodec:
     def parse(self, text: str) -> "tuple[str, dict] | tuple[None, str]":
         """(tool, input), or (None, why the text is not a call, naming the tools)."""
         text = text.strip()
-        data: Any = None
-        match = _JSON_OBJECT.search(text)
-        if match:
-            try:
-                data = json.loads(match.group(0))
-            except ValueError:
-                data = None
+        data = json_object_in(text)
         if isinstance(data, dict) and isinstance(data.get("tool", data.get("name")), str):
             tool = data.get("tool", data.get("name"))
             args = data.get("input", data.get("arguments", {}))
