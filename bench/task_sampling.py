@@ -13,9 +13,9 @@ spent, the share of signal-free groups per iteration (trials of a task that all 
 held-out greedy success, and held-out success per 1,000 env steps and per 1,000 generated tokens of
 training. The last line with --json is the summary.
 
-    .venv/bin/python bench/task_sampling.py --env-config '{"size": 8}' --sft-demos 300 \
-        --set '{"env": {"num_tasks": 64}, "rollout": {"max_turns": 6}}' --iterations 10 --eval-tasks 64 \
-        --output-dir runs/task-sampling --json
+    .venv/bin/python bench/task_sampling.py --env-config '{"size": 8, "penalty_for_step": 0, "reward_goal": 1}' \
+        --sft-demos 300 --set '{"env": {"num_tasks": 16}, "rollout": {"max_turns": 6}}' --iterations 8 \
+        --eval-tasks 64 --output-dir runs/task-sampling --json
     .venv/bin/python bench/task_sampling.py --quick --json    # a tiny random-weight model: the pipeline only
 """
 from __future__ import annotations
@@ -53,6 +53,15 @@ def run(cfg, out: Path, conn) -> dict:
             "held_out_success": success, "held_out_tasks": held["trials"],
             "held_out_success_per_1k_steps": 1000 * success / max(steps, 1),
             "held_out_success_per_1k_tokens": 1000 * success / max(tokens, 1)}
+
+
+def held_out_success(cfg, conn) -> float:
+    """Greedy success of cfg's model on the held-out seeds: where RL starts from."""
+    from envserve_trainer.api import HFPolicy, evaluate_policy, load_pretrained
+    model, tok = load_pretrained(cfg.model.path, dtype=cfg.model.dtype, gguf_file=cfg.model.gguf_file)
+    held = asyncio.run(evaluate_policy(cfg, HFPolicy(model, tok), tok, conn, temperature=0.0, samples=1,
+                                       task_sets=["held_out"]))["held_out"]["overall"]
+    return held["success_rate"] or 0.0
 
 
 def starting_policy(cfg, out: Path, demos: int, conn) -> str:
@@ -93,6 +102,7 @@ def main() -> int:
                    help="fine-tune the config's model on this many expert episodes first (0: no SFT)")
     p.add_argument("--iterations", type=int, default=12)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="RL seeds per sampler")
+    p.add_argument("--samplers", nargs="+", default=list(SAMPLERS), choices=SAMPLERS, help="which to run")
     p.add_argument("--eval-tasks", type=int, default=64, help="held-out seeds played greedily after RL")
     p.add_argument("--quick", action="store_true", help="tiny random-weight model, 2 iterations, 8 held-out seeds")
     p.add_argument("--output-dir", default="runs/task-sampling")
@@ -113,11 +123,15 @@ def main() -> int:
         args.iterations = 2
     started = time.monotonic()
     results: dict = {}
+    start_success = None
     with ServerProcess([cfg.env.env_id], workers=2, metrics=False) as server:
         conn = Connection(env_address=server.address)
         if args.sft_demos and not args.quick and not args.model_path:
             model = {"path": starting_policy(cfg.with_overrides(env=env), Path(args.output_dir), args.sft_demos, conn)}
-        for sampler in SAMPLERS:
+        if not args.quick:
+            start_success = held_out_success(cfg.with_overrides(env=env, model=model), conn)
+            print(f"starting policy: held-out greedy success {start_success:.3f}", flush=True)
+        for sampler in args.samplers:
             for seed in args.seeds:
                 run_cfg = cfg.with_overrides(env=env, model=model, rollout={"task_sampler": sampler},
                                              run={"seed": seed, "iterations": args.iterations})
@@ -125,7 +139,8 @@ def main() -> int:
                 results.setdefault(sampler, {})[str(seed)] = r
                 print(f"{sampler} seed {seed}: {json.dumps(r)}", flush=True)
     summary = {"minutes": round((time.monotonic() - started) / 60, 1), "iterations": args.iterations,
-               "env": args.env, "env_config": env.get("env_config", cfg.env.env_config)}
+               "env": args.env, "env_config": env.get("env_config", cfg.env.env_config),
+               "start_held_out_success": start_success}
     for sampler, by_seed in results.items():
         runs = list(by_seed.values())
         summary[sampler] = {k: statistics.mean(r[k] for r in runs) for k in (

@@ -140,7 +140,11 @@ def task_schedule(cfg: TrainConfig, iteration: int, sampler=None) -> list[Task]:
     (envserve.client.sampling, over the training seeds as task ids)."""
     env, n = cfg.env, cfg.rollout.tasks_per_iteration
     if sampler is not None:
-        return [Task(int(task_id), env.split) for task_id in sampler.sample(n)]
+        # Different tasks, so each is one group (fewer tasks than n: some twice).
+        drawn = sampler.sample_distinct(n)
+        while len(drawn) < n:
+            drawn += sampler.sample_distinct(n - len(drawn))
+        return [Task(int(task_id), env.split) for task_id in drawn]
     start = (iteration * n) % env.num_tasks
     return [Task(env.seed_start + (start + i) % env.num_tasks, env.split) for i in range(n)]
 

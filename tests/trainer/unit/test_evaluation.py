@@ -375,3 +375,20 @@ def test_signal_free_groups_are_those_whose_trials_all_scored_the_same():
     trials = scored("all-fail", 0.0, 0.0, 0.0) + scored("mixed", 0.0, 1.0, 0.0) + scored("all-win", 1.0, 1.0)
     assert signal_free_group_share(trials) == pytest.approx(2 / 3)
     assert signal_free_group_share(scored("alone", 1.0)) is None       # a lone trial is no group
+
+
+def test_a_learnability_iteration_plays_different_tasks_each_its_own_group():
+    from types import SimpleNamespace
+
+    from envserve_trainer.config import load_config
+    from envserve_trainer.train import task_sampler, task_schedule
+    cfg = load_config("learn_frozenlake.yaml").with_overrides(
+        env={"num_tasks": 6}, rollout={"task_sampler": "learnability", "tasks_per_iteration": 4})
+    sampler = task_sampler(cfg)
+    sampler.update([SimpleNamespace(task_id=str(i), episodes=8, successes=4, turns_sum=8) for i in range(3)])
+    for it in range(50):
+        seeds = [t.seed for t in task_schedule(cfg, it, sampler)]
+        assert len(seeds) == len(set(seeds)) == 4 and set(seeds) <= set(range(6))
+    small = cfg.with_overrides(env={"num_tasks": 3})
+    few = [t.seed for t in task_schedule(small, 0, task_sampler(small))]
+    assert len(few) == 4 and set(few) == {0, 1, 2}      # every task once, then one again
