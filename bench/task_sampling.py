@@ -3,19 +3,20 @@ do the env steps and generated tokens go, how many groups carry no signal, and w
 success comes of it.
 
 For each sampler (rollout.task_sampler: uniform, learnability) and each RL seed, the bundled
-learn_<env>.yaml config (FrozenLake by default; --env-config makes the split harder, e.g.
-'{"size": 8}', and --set changes any other section) trains --iterations from one starting policy
-through a real replica started here, then plays the held-out seeds greedily (--eval-tasks of them).
-The starting policy: --model-path (a policy/ folder), or with --sft-demos N the config's pretrained
-model fine-tuned here on N expert episodes of the harder split (kept in OUTPUT_DIR/sft and reused
-by a later run with the same settings), or the config's model as it is. Per run it reports: env steps and generated tokens
-spent, the share of signal-free groups per iteration (trials of a task that all scored the same),
-held-out greedy success, and held-out success per 1,000 env steps and per 1,000 generated tokens of
-training. The last line with --json is the summary.
+learn_<env>.yaml config (FrozenLake by default; --env-config changes the env, e.g. '{"size": 8}' or
+a binary reward, and --set any other section) trains --iterations from one starting policy through
+a real replica started here, then plays the held-out seeds greedily (--eval-tasks of them). The
+starting policy: --model-path (a policy/ folder), or with --sft-demos N the config's pretrained
+model fine-tuned here on N expert episodes of that env (kept in OUTPUT_DIR/sft and reused by a
+later run with the same settings), or the config's model as it is; its own held-out success is
+measured first. Per run it reports: env steps and generated tokens spent, the share of
+signal-free groups per iteration (trials of a task that all scored the same), held-out greedy
+success, and held-out success per 1,000 env steps and per 1,000 generated tokens of training.
+The last line with --json is the summary.
 
-    .venv/bin/python bench/task_sampling.py --env-config '{"size": 8, "penalty_for_step": 0, "reward_goal": 1}' \
-        --sft-demos 300 --set '{"env": {"num_tasks": 16}, "rollout": {"max_turns": 6}}' --iterations 8 \
-        --eval-tasks 64 --output-dir runs/task-sampling --json
+    .venv/bin/python bench/task_sampling.py --env-config '{"size": 4, "penalty_for_step": 0, "reward_goal": 1}' \
+        --sft-demos 300 --set '{"env": {"num_tasks": 16}}' --iterations 8 --eval-tasks 64 \
+        --output-dir runs/task-sampling --json
     .venv/bin/python bench/task_sampling.py --quick --json    # a tiny random-weight model: the pipeline only
 """
 from __future__ import annotations
