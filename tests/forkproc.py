@@ -72,11 +72,17 @@ def hook(cls, addresses: list[str]) -> dict:
     leftover.cycle = leftover
     del leftover
     from envserve.client import sync_lane
+    # On a starved machine (the contention stage: burners and another test process beside the
+    # replicas) closing the channels to every replica can take most of the default 30 s; the hook
+    # gets the time it needs, and a poller that never ends still fails the test.
+    streaming.FORK_WAIT = 120.0
     lane_threads = list(sync_lane._STARTED)
     out = {"pollers_before": len(streaming._grpc_pollers()), "lanes_before": len(sync_lane._OPEN),
            "lane_threads_before": sum(t.is_alive() for t in lane_threads)}
+    started = time.monotonic()
     streaming._before_fork()
     try:
+        out["hook_seconds"] = round(time.monotonic() - started, 2)
         out["pollers_at_fork"] = len(streaming._grpc_pollers())
         out["loop_threads_at_fork"] = sum(t.name == "envserve-client-loop" for t in threading.enumerate())
         out["lanes_at_fork"] = len(sync_lane._OPEN)

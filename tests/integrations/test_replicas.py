@@ -256,9 +256,9 @@ def test_before_a_fork_no_thread_is_left_inside_grpc(cluster, lane_kind):
     assert out["lanes_before"] >= 1, "the scenario needs an open lane"
     # a blocking-stream lane runs gRPC threads; a polled one none (its caller polls)
     assert (out["lane_threads_before"] >= 1) == (lane_kind == "blocking"), out
-    assert out["pollers_at_fork"] == 0 and out["loop_threads_at_fork"] == 0, out
-    assert out["lanes_at_fork"] == 0 and out["lane_threads_at_fork"] == 0, out
-    assert out["leftover_closed"] and out["same_after"], out
+    assert out["pollers_at_fork"] == 0 and out["loop_threads_at_fork"] == 0, json.dumps(out)
+    assert out["lanes_at_fork"] == 0 and out["lane_threads_at_fork"] == 0, json.dumps(out)
+    assert out["leftover_closed"] and out["same_after"], json.dumps(out)
 
 
 def test_a_child_forked_beside_another_asyncio_channel_fails_its_calls_at_once(cluster):
