@@ -199,7 +199,7 @@ def test_judge_preview_shows_where_the_state_is_cut(tmp_path):
     out = cli("judge", "--preview", "--env", "shelf", "--seed", "2", "--action", "look", "--field", "grounding",
               "--reply", "I see a long shelf.", env_vars=env_vars)     # a replica in the command's own process
     assert out.returncode == 0, out.stderr
-    state = {"items": [f"item 2-{i}" for i in range(600)], "looks": 1.0}     # Struct numbers are doubles
+    state = {"items": [f"item 2-{i}" for i in range(600)], "looks": 1}       # state_json keeps integers
     left_out = len(json.dumps(state, sort_keys=True, ensure_ascii=False)) - MAX_STATE_CHARS
     assert left_out > 0
     assert f"# the state JSON of turn 1 is cut at {MAX_STATE_CHARS} characters: {left_out} more are left out" \

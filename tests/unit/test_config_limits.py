@@ -256,3 +256,38 @@ def test_struct_to_dict_refuses_deep_nesting():
     assert struct_to_dict(to_struct({"l": deep_list}), max_depth=4) == {"l": deep_list}
     with pytest.raises(BadValue, match=r"config\.l\[0\]\[0\]: nested deeper than 3 levels"):
         struct_to_dict(to_struct({"l": deep_list}), max_depth=3)
+
+
+# -- config_json beside the Struct -------------------------------------------------------------------
+def test_config_json_keeps_integers_and_is_read_like_the_struct():
+    from envserve.rpc.values import config_of
+    from envserve.v1 import envserve_pb2 as pb
+    assert config_of(pb.OpenRequest(config_json='{"dim_room": [6, 6], "num_boxes": 1}')) == \
+        {"dim_room": [6, 6], "num_boxes": 1}
+    assert isinstance(config_of(pb.OpenRequest(config_json='{"n": 3}'))["n"], int)
+    assert config_of(pb.OpenRequest(config=to_struct({"n": 3}))) == {"n": 3.0}
+    assert config_of(pb.OpenRequest()) == {}
+
+
+@pytest.mark.parametrize("request_kwargs, message", [
+    ({"config_json": "[1, 2]"}, "must be a JSON object"),
+    ({"config_json": "{not json"}, "not valid JSON"),
+    ({"config_json": '{"k": NaN}'}, "not valid JSON"),
+    ({"config_json": '{"k": ' + "[" * 40 + "]" * 40 + "}"}, "nested deeper than 32"),
+    ({"config_json": "{}", "config": {"a": 1}}, "not both"),
+])
+def test_config_json_refusals_name_the_problem(request_kwargs, message):
+    from envserve.rpc.values import config_of
+    from envserve.v1 import envserve_pb2 as pb
+    kwargs = dict(request_kwargs)
+    if "config" in kwargs:
+        kwargs["config"] = to_struct(kwargs["config"])
+    with pytest.raises(BadValue, match=message):
+        config_of(pb.OpenRequest(**kwargs))
+
+
+def test_json_text_spells_what_other_languages_parse():
+    import numpy as np
+    from envserve.rpc.values import json_text
+    assert json_text({"p": np.array([4, 1]), "x": np.float32(0.5), "s": "é"}) == '{"p":[4,1],"x":0.5,"s":"é"}'
+    assert json_text({"a": [math.inf, {"b": -math.inf}], "c": 1}) == '{"a":[null,{"b":null}],"c":1}'

@@ -38,16 +38,17 @@ def test_the_sweep_closes_sessions_the_front_does_not_know():
 
 def test_a_reply_over_the_message_limit_drops_results_not_the_call():
     async def main():
-        r = _replica(max_message_bytes=4096)
+        r = _replica(max_message_bytes=16384)
         await r.start("r")
         try:
-            ids, _ = await r.open("frozenlake", 40, {}, "")
+            # Results with an image (about a kilobyte each) and a limit that holds a few of them.
+            ids, _ = await r.open("frozenlake", 40, {"render_image": True}, "")
             reply = pb.BatchResponse.FromString(await r.run_batch([("reset", sid, 1, "", "", False) for sid in ids]))
-            assert len(reply.results) == 40 and len(reply.SerializeToString()) <= 4096
+            assert len(reply.results) == 40 and len(reply.SerializeToString()) <= 16384
             codes = [res.status.code for res in reply.results]
             kept = codes.index(8)           # the first result that did not fit, RESOURCE_EXHAUSTED
             assert kept > 0 and set(codes[:kept]) == {0} and set(codes[kept:]) == {8}
-            assert "GetState" in reply.results[-1].status.message
+            assert "ReadState" in reply.results[-1].status.message
             # The resets ran all the same: every session steps.
             after = pb.BatchResponse.FromString(await r.run_batch([("step", sid, "<answer>Left</answer>") for sid in ids[-3:]]))
             assert [res.turn for res in after.results] == [1, 1, 1]

@@ -5,6 +5,7 @@ import numpy as np
 from google.protobuf import json_format
 
 from envserve.core.session import TurnResult
+from envserve.rpc.values import json_text
 from envserve.server import convert, wire
 from envserve.v1 import envserve_pb2 as pb
 
@@ -20,8 +21,10 @@ def reference(sid: str, r: TurnResult) -> pb.StepResult:
     msg.observation.episode = r.episode
     msg.reward_components.update(r.components)
     msg.reasoning.update(r.reasoning)
+    msg.status.SetInParent()  # an OK result still carries its (empty) status
     if r.info:
         msg.info.update(r.info)
+        msg.info_json = json_text(r.info)
     return msg
 
 
@@ -69,3 +72,12 @@ def test_numpy_values_in_info():
     r = TurnResult(text="", info={"pos": np.array([1, 2]), "x": np.float32(0.5), "n": np.int64(3)})
     decoded = pb.StepResult.FromString(wire.step_result("s", r))
     assert json_format.MessageToDict(decoded.info) == {"pos": [1.0, 2.0], "x": 0.5, "n": 3.0}
+    # The JSON sibling keeps the integers integers, in every language that parses it.
+    assert decoded.info_json == '{"pos":[1,2],"x":0.5,"n":3}'
+
+
+def test_ok_results_carry_a_status_and_non_finite_info_is_null_in_json():
+    decoded = pb.StepResult.FromString(wire.step_result("s", TurnResult(text="", info={"v": float("nan")})))
+    assert decoded.HasField("status") and decoded.status.code == 0
+    assert decoded.info_json == '{"v":null}'
+    assert not pb.StepResult.FromString(wire.step_result("s", TurnResult(text=""))).info_json

@@ -48,8 +48,8 @@ def step_request(actions: "Mapping[str, str] | Iterable[tuple]") -> pb.StepReque
 
 
 def get_state_request(session_id: str, turn: int = -1, episode: int | None = None,
-                      trial: int | None = None) -> pb.GetStateRequest:
-    req = pb.GetStateRequest(session_id=session_id, turn=turn)
+                      trial: int | None = None) -> pb.ReadStateRequest:
+    req = pb.ReadStateRequest(session_id=session_id, turn=turn)
     if episode is not None:
         req.episode = episode
     if trial is not None:

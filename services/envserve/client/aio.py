@@ -96,7 +96,7 @@ class AsyncEnvClient:
 
     async def close_sessions(self, session_ids: Sequence[str]) -> list[pb.ItemStatus]:
         seats.note_closed(session_ids)
-        return list((await self._call(self.env.Close, pb.CloseRequest(session_ids=list(session_ids)))).statuses)
+        return list((await self._call(self.env.CloseSessions, pb.CloseRequest(session_ids=list(session_ids)))).statuses)
 
     async def restore(self, histories: Sequence[pb.SessionHistory]) -> pb.RestoreResponse:
         """Rebuild sessions here from their histories (one RestoredSession per history, in order)."""
@@ -107,7 +107,7 @@ class AsyncEnvClient:
         """on_behalf_of: for a judge, the digest of its own caller's token (rpc.auth.owner_of): the
         replica then answers only for that caller's sessions."""
         md = self.state_metadata if on_behalf_of is None else (*self.state_metadata, (ON_BEHALF, on_behalf_of))
-        return await self._call(self.state.GetState, rq.get_state_request(session_id, turn, episode, trial), md)
+        return await self._call(self.state.ReadState, rq.get_state_request(session_id, turn, episode, trial), md)
 
     def stream(self) -> "InteractStream":
         return InteractStream(self.env, self.metadata)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import json
 from typing import Any, Iterable, Mapping, Sequence
 
 import grpc
@@ -145,7 +146,7 @@ class EnvClient(ChannelOwner):
 
     def close_sessions(self, session_ids: Sequence[str]) -> list[pb.ItemStatus]:
         seats.note_closed(session_ids)
-        return list(self._call(self.env.Close, pb.CloseRequest(session_ids=list(session_ids))).statuses)
+        return list(self._call(self.env.CloseSessions, pb.CloseRequest(session_ids=list(session_ids))).statuses)
 
     def restore(self, histories: Sequence[pb.SessionHistory]) -> pb.RestoreResponse:
         """Rebuild sessions here from their histories (one RestoredSession per history, in order)."""
@@ -153,7 +154,7 @@ class EnvClient(ChannelOwner):
 
     def get_state(self, session_id: str, turn: int = -1, episode: int | None = None,
                   trial: int | None = None) -> pb.GetStateResponse:
-        return self._call(self.state.GetState, rq.get_state_request(session_id, turn, episode, trial),
+        return self._call(self.state.ReadState, rq.get_state_request(session_id, turn, episode, trial),
                           self.state_metadata)
 
     def interact(self, requests: Iterable[pb.InteractRequest]):
@@ -173,6 +174,22 @@ def decode_image(image: pb.Image):
     return np.asarray(PILImage.open(io.BytesIO(image.png)).convert("RGB"))
 
 
-def state_dict(response: pb.GetStateResponse) -> dict:
+def json_field(message, name: str) -> dict:
+    """An environment-shaped value of a message (`state`, `info`, `parameters`, `config`) as plain
+    Python values: its `<name>_json` text where the replica sent one, so integers stay integers,
+    else the Struct (every number a float, as replicas before the JSON fields sent it)."""
+    text = getattr(message, f"{name}_json", "")
+    if text:
+        return json.loads(text)
     from google.protobuf import json_format
-    return json_format.MessageToDict(response.state)
+    return json_format.MessageToDict(getattr(message, name))
+
+
+def state_dict(response: pb.GetStateResponse) -> dict:
+    """The ground truth of a GetState/ReadState reply."""
+    return json_field(response, "state")
+
+
+def info_dict(result: pb.StepResult) -> dict:
+    """A step result's info."""
+    return json_field(result, "info")

@@ -654,9 +654,9 @@ class RoutedClient(Router):
         real = [self.sessions.current(s) for s in ids]
         self.sessions.closed(ids)
         seats.note_closed(ids)
-        results = self._fan_out(real, lambda s: s, "Close", lambda sids: pb.CloseRequest(session_ids=sids),
+        results = self._fan_out(real, lambda s: s, "CloseSessions", lambda sids: pb.CloseRequest(session_ids=sids),
                                 "statuses")
-        # Close answers statuses, not StepResults; _fan_out placed either kind.
+        # CloseSessions answers statuses, not StepResults; _fan_out placed either kind.
         return [r if isinstance(r, pb.ItemStatus) else r.status for r in results]
 
     def list_envs(self) -> list[pb.EnvSpec]:

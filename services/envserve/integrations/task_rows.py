@@ -25,9 +25,9 @@ INSTRUCTION = "Solve the task. Answer in the format the rules ask for."
 def task_dict(env_id: str, task) -> dict[str, Any]:
     """A ListTasks Task (the wire's, or any object with its fields) as plain values."""
     params = task.parameters
-    if hasattr(params, "fields"):   # a protobuf Struct
-        from google.protobuf.json_format import MessageToDict
-        params = MessageToDict(params)
+    if hasattr(params, "fields"):   # the wire's Task: its JSON text keeps integers
+        from envserve.client import json_field
+        params = json_field(task, "parameters")
     return {"env_id": env_id, "split": task.split, "task_id": task.task_id, "seed": int(task.seed),
             "description": task.description, "task_type": task.task_type, "parameters": dict(params)}
 

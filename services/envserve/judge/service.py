@@ -20,9 +20,10 @@ import grpc
 from google.protobuf import json_format
 from prometheus_client import Counter, Histogram
 
+from envserve.client import state_dict
 from envserve.rpc.auth import Authenticator, Denied, owner_of
 from envserve.rpc.metrics import MetricsEndpoint
-from envserve.rpc.values import code_number, to_struct
+from envserve.rpc.values import code_number, json_text, to_struct
 from envserve.v1 import envserve_pb2 as pb
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
 
@@ -44,7 +45,7 @@ class TruthSource(Protocol):
 
 def record_of(response: pb.GetStateResponse) -> dict[str, Any]:
     """A GetState response as the record dict the judges read."""
-    return {"state": json_format.MessageToDict(response.state), "relations": list(response.relations),
+    return {"state": state_dict(response), "relations": list(response.relations),
             "anchor": response.anchor, "observation_text": response.observation_text,
             "turn": response.turn, "episode": response.episode, "trial": response.trial,
             "env_id": response.env_id}
@@ -300,4 +301,5 @@ class JudgeServicer(pb_grpc.JudgeServiceServicer):
         sel = self.core.selection
         return pb.JudgeInfo(judge_by_env=sel.judge_by_env, fallback_judge=sel.fallback,
                             config=to_struct(self.core.config.to_dict()),
+                            config_json=json_text(self.core.config.to_dict()),
                             judges=sorted(sel.judges))

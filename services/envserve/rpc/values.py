@@ -87,3 +87,65 @@ def _json_default(o):
     if hasattr(o, "tolist"):
         return o.tolist()
     return str(o)
+
+
+def json_text(data) -> str:
+    """`data` as the JSON text of a `*_json` field (the sibling of a Struct): integers stay
+    integers, numpy values become plain ones, and NaN or an infinity, which JSON cannot spell and
+    other languages' parsers refuse, becomes null."""
+    try:
+        return json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=_json_default)
+    except ValueError:
+        return json.dumps(_finite(json.loads(json.dumps(data, default=_json_default))), separators=(",", ":"),
+                          ensure_ascii=False, allow_nan=False)
+
+
+def _finite(v):
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_finite(x) for x in v]
+    return v
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a finite number")
+
+
+def json_object(text: str, max_depth: int = 32, path: str = "config_json") -> dict:
+    """A `*_json` request field's text as a dict, refusing with BadValue (naming `path`) what a
+    config cannot hold: text that is not JSON or not an object, NaN or an infinity, and nesting
+    deeper than max_depth (as struct_to_dict does for the Struct)."""
+    try:
+        value = json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise _too_deep(path, max_depth) from None
+    except ValueError as e:
+        raise BadValue(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise BadValue(f"{path}: must be a JSON object, got {type(value).__name__}")
+    _check_depth(value, 1, max_depth, path)
+    return value
+
+
+def _check_depth(value, level: int, max_depth: int, path: str) -> None:
+    if level > max_depth:
+        raise _too_deep(path, max_depth)
+    children = value.values() if isinstance(value, dict) else value
+    for child in children:
+        if isinstance(child, (dict, list)):
+            _check_depth(child, level + 1, max_depth, path)
+
+
+def config_of(message, max_depth: int = 32) -> dict:
+    """The config of a message that carries it twice (OpenRequest, SessionHistory): `config_json`
+    or the `config` Struct, {} when neither is set; BadValue when both are, or when the one set
+    cannot be read."""
+    has_struct = message.HasField("config")
+    if message.config_json:
+        if has_struct:
+            raise BadValue("set config or config_json, not both")
+        return json_object(message.config_json, max_depth)
+    return struct_to_dict(message.config, max_depth) if has_struct else {}

@@ -48,6 +48,7 @@ def add_env_service(servicer: EnvService, server: grpc.aio.Server) -> None:
             servicer.Interact, request_deserializer=pb.InteractRequest.FromString, response_serializer=None),
         "Fork": unary(servicer.Fork, pb.ForkRequest),
         "Close": unary(servicer.Close, pb.CloseRequest),
+        "CloseSessions": unary(servicer.CloseSessions, pb.CloseRequest),
         "Restore": unary(servicer.Restore, pb.RestoreRequest),
         "ListTasks": unary(servicer.ListTasks, pb.ListTasksRequest),
         "GetTaskStats": unary(servicer.GetTaskStats, pb.GetTaskStatsRequest),

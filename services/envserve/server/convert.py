@@ -6,7 +6,7 @@ import json
 
 from envserve.core.env import EnvSpec
 from envserve.core.session import TurnResult, full_spec
-from envserve.rpc.values import code_number, struct_to_dict, to_struct
+from envserve.rpc.values import code_number, config_of, json_text, to_struct
 from envserve.v1 import envserve_pb2 as pb
 
 from . import wire
@@ -51,8 +51,8 @@ def state_to_proto(session_id: str, record: dict, env_id: str = "") -> pb.GetSta
     return pb.GetStateResponse(
         session_id=session_id, env_id=env_id, turn=record["turn"], episode=record["episode"],
         trial=record.get("trial", 0),
-        state=to_struct(record["state"]), relations=record["relations"], anchor=record["anchor"],
-        observation_text=record["observation_text"],
+        state=to_struct(record["state"]), state_json=json_text(record["state"]), relations=record["relations"],
+        anchor=record["anchor"], observation_text=record["observation_text"],
     )
 
 
@@ -84,10 +84,11 @@ def history_to_proto(h: dict) -> pb.SessionHistory:
 
 
 def config_from_proto(message) -> dict:
-    """The config Struct of an OpenRequest or a SessionHistory as a dict ({} when unset). NaN, an
-    infinity or nesting deeper than 32 levels raise rpc.values.BadValue naming the field, which
-    the method handlers (rpc/parsing.py) answer as INVALID_ARGUMENT."""
-    return struct_to_dict(message.config) if message.HasField("config") else {}
+    """The config of an OpenRequest or a SessionHistory (config_json or the Struct) as a dict ({}
+    when unset). Both set, text that is not a JSON object, NaN, an infinity or nesting deeper than
+    32 levels raise rpc.values.BadValue naming the field, which the method handlers
+    (rpc/parsing.py) answer as INVALID_ARGUMENT."""
+    return config_of(message)
 
 
 def history_from_proto(h: pb.SessionHistory) -> dict:
@@ -122,4 +123,5 @@ def interact_result(tag: int, step_result: bytes) -> bytes:
 def task_to_proto(task) -> pb.Task:
     """A core.tasks.Task as the wire's Task."""
     return pb.Task(task_id=task.task_id, split=task.split, description=task.description,
-                   task_type=task.task_type, parameters=to_struct(dict(task.parameters)), seed=task.seed)
+                   task_type=task.task_type, parameters=to_struct(dict(task.parameters)),
+                   parameters_json=json_text(dict(task.parameters)), seed=task.seed)

@@ -17,7 +17,7 @@ import grpc
 from envserve.common.errors import ApiError
 from envserve.common.lru import IdleLRU
 from envserve.rpc.auth import Denied
-from envserve.rpc.values import BadValue, struct_to_dict
+from envserve.rpc.values import BadValue, config_of
 from envserve.v1 import envserve_pb2 as pb
 
 from . import convert
@@ -61,7 +61,7 @@ class LocalGateway:
     async def open(self, req: pb.OpenRequest, md) -> tuple[None, pb.OpenResponse]:
         owner = self.owner(md)
         try:
-            config = struct_to_dict(req.config) if req.HasField("config") else {}
+            config = config_of(req)
             ids, prompt = await self.r.open(req.env_id, req.count, config, req.action_format, owner)
         except BadValue as e:
             raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None

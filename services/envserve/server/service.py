@@ -474,19 +474,22 @@ class Replica:
     async def run_batch(self, items: list[tuple], owner: str = "") -> bytes:
         """The serialized BatchResponse: the workers' framed elements joined in request order. An
         element that would take the reply past the message limit is replaced by its error (the
-        step ran; GetState reads what it saw), so the caller is never answered with nothing."""
+        step ran; ReadState reads what it saw), so the caller is never answered with nothing."""
         elements = await self.run_elements(items, owner)
-        budget = self.config.max_message_bytes - 1024
-        total = sum(map(len, elements))
-        if total > budget:
+        limit = self.config.max_message_bytes
+        if sum(map(len, elements)) > limit:
+            # Each result that does not fit becomes its (small) error; the errors of the results
+            # after it are counted before it is kept, so the reply as a whole stays under the limit.
+            errors = [convert.batch_element(convert.error_result(
+                item[1], "RESOURCE_EXHAUSTED", f"this result ({len(element)} bytes) did not fit the reply's "
+                f"limit of {limit} bytes with the others; it ran: read its observation with ReadState, "
+                "and step fewer sessions per call").SerializeToString()) for item, element in zip(items, elements)]
+            after = sum(map(len, errors))
             kept = 0
             for i, element in enumerate(elements):
-                if kept + len(element) > budget:
-                    sid = items[i][1]
-                    elements[i] = convert.batch_element(convert.error_result(
-                        sid, "RESOURCE_EXHAUSTED", f"this result ({len(element)} bytes) did not fit the reply's "
-                        f"limit of {self.config.max_message_bytes} bytes with the others; it ran: read its "
-                        "observation with GetState, and step fewer sessions per call").SerializeToString())
+                after -= len(errors[i])
+                if kept + len(element) + after > limit:
+                    elements[i] = errors[i]
                 kept += len(elements[i])
         return b"".join(elements)
 
@@ -967,12 +970,14 @@ class EnvService(pb_grpc.EnvServiceServicer):
         finally:
             r.leave()
 
-    async def Close(self, request, context):
+    async def CloseSessions(self, request, context):
         owner = await caller(context, self.r.auth.env_owner)
         if len(request.session_ids) > self.r.config.max_batch_items:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(request.session_ids)} sessions in one "
-                                f"Close; at most {self.r.config.max_batch_items} (--max-batch-items)")
+                                f"CloseSessions; at most {self.r.config.max_batch_items} (--max-batch-items)")
         return pb.CloseResponse(statuses=await self.r.close_sessions(list(request.session_ids), owner))
+
+    Close = CloseSessions  # deprecated name of the same rpc
 
 
 def _cap(action: str) -> str:
@@ -1000,8 +1005,15 @@ class StateService(pb_grpc.StateServiceServicer):
         self.r = replica
 
     async def GetState(self, request, context):
+        """Deprecated: its turn has no presence, so an unset turn is turn 0."""
+        return await self._state(request.session_id, request.turn, request, context)
+
+    async def ReadState(self, request, context):
+        return await self._state(request.session_id, request.turn if request.HasField("turn") else -1,
+                                 request, context)
+
+    async def _state(self, sid: str, turn: int, request, context):
         reader = await caller(context, self.r.auth.reader)
-        sid = request.session_id
         if sid in self.r.tables.by_seat:  # a seat reads its table's game
             table, _, code, message = self.r.tables.find(sid, reader.owner)
             if table is None:
@@ -1013,7 +1025,7 @@ class StateService(pb_grpc.StateServiceServicer):
         episode = request.episode if request.HasField("episode") else None
         trial = request.trial if request.HasField("trial") else None
         try:
-            reply = await self.r.pool.call(rec.worker, "get_state", (sid, request.turn, episode, trial))
+            reply = await self.r.pool.call(rec.worker, "get_state", (sid, turn, episode, trial))
         except WorkerLost as e:
             await context.abort(grpc.StatusCode.DATA_LOSS, f"session lost: {e}")
         if reply[0] != "ok":

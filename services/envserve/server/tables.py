@@ -18,12 +18,13 @@ with its worker) a waiting seat is answered with the reason.
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, field
 
 from google.protobuf import json_format
 
 from envserve.common.tables import SELF_PLAY_OPPONENT, SEATS_PER_TABLE, count_problem
-from envserve.rpc.values import code_number
+from envserve.rpc.values import code_number, json_text
 from envserve.v1 import envserve_pb2 as pb
 
 from . import convert
@@ -65,6 +66,8 @@ def _error(sid: str, code: str, message: str) -> pb.StepResult:
 
 
 def _info(r: pb.StepResult) -> dict:
+    if r.info_json:
+        return json.loads(r.info_json)
     return json_format.MessageToDict(r.info) if r.HasField("info") else {}
 
 
@@ -247,6 +250,7 @@ class Tables:
             out.done, out.truncated = r.done, r.truncated
         out.session_id = seat.sid
         out.info["seat"] = seat.index
+        out.info_json = json_text({**_info(r), "seat": seat.index})
         key = str(seat.index)
         if r.done and base is not r:
             # The game ended on the other seat's move: this seat's share of it.

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from struct import Struct as _Packer
 
+from envserve.rpc.values import json_text
+
 _DOUBLE = _Packer("<d")
 _ONE_BYTE = [bytes((n,)) for n in range(0x80)]
 
@@ -105,7 +107,9 @@ def step_result(session_id: str, r, images: list[bytes] = ()) -> bytes:
         obs.append(b"\x18" + varint(turn))
     if episode:
         obs.append(b"\x20" + varint(episode))
-    out = [b"\x0a" + lp(session_id.encode("utf-8", "replace")), b"\x1a" + lp(b"".join(obs))]
+    # status (field 2) is written even when OK, as an empty ItemStatus: clients in languages that
+    # show an absent message as null read status.code without a check.
+    out = [b"\x0a" + lp(session_id.encode("utf-8", "replace")), b"\x12\x00", b"\x1a" + lp(b"".join(obs))]
     reward = float(r.reward)
     if reward != 0.0 or math.copysign(1.0, reward) < 0:
         out.append(b"\x21" + _DOUBLE.pack(reward))
@@ -139,4 +143,6 @@ def step_result(session_id: str, r, images: list[bytes] = ()) -> bytes:
         out.append(b"\x92\x01" + lp(r.transition.encode("utf-8", "replace")))
     if r.trial:
         out.append(b"\x98\x01" + varint(r.trial))
+    if r.info:
+        out.append(b"\xa2\x01" + lp(json_text(r.info).encode("utf-8", "replace")))
     return b"".join(out)

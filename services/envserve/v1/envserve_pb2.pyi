@@ -94,20 +94,22 @@ class ListTasksRequest(_message.Message):
     def __init__(self, env_id: _Optional[str] = ..., split: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("task_id", "split", "description", "task_type", "parameters", "seed")
+    __slots__ = ("task_id", "split", "description", "task_type", "parameters", "seed", "parameters_json")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     SPLIT_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     TASK_TYPE_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     split: str
     description: str
     task_type: str
     parameters: _struct_pb2.Struct
     seed: int
-    def __init__(self, task_id: _Optional[str] = ..., split: _Optional[str] = ..., description: _Optional[str] = ..., task_type: _Optional[str] = ..., parameters: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+    parameters_json: str
+    def __init__(self, task_id: _Optional[str] = ..., split: _Optional[str] = ..., description: _Optional[str] = ..., task_type: _Optional[str] = ..., parameters: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., seed: _Optional[int] = ..., parameters_json: _Optional[str] = ...) -> None: ...
 
 class GetTaskStatsRequest(_message.Message):
     __slots__ = ("env_id", "scope")
@@ -152,20 +154,22 @@ class ListTasksResponse(_message.Message):
     def __init__(self, tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ..., total: _Optional[int] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("env_id", "count", "config", "action_format", "state_readers", "stats_scope")
+    __slots__ = ("env_id", "count", "config", "action_format", "state_readers", "stats_scope", "config_json")
     ENV_ID_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     ACTION_FORMAT_FIELD_NUMBER: _ClassVar[int]
     STATE_READERS_FIELD_NUMBER: _ClassVar[int]
     STATS_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     env_id: str
     count: int
     config: _struct_pb2.Struct
     action_format: str
     state_readers: _containers.RepeatedScalarFieldContainer[str]
     stats_scope: str
-    def __init__(self, env_id: _Optional[str] = ..., count: _Optional[int] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., action_format: _Optional[str] = ..., state_readers: _Optional[_Iterable[str]] = ..., stats_scope: _Optional[str] = ...) -> None: ...
+    config_json: str
+    def __init__(self, env_id: _Optional[str] = ..., count: _Optional[int] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., action_format: _Optional[str] = ..., state_readers: _Optional[_Iterable[str]] = ..., stats_scope: _Optional[str] = ..., config_json: _Optional[str] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
     __slots__ = ("session_ids", "lease_seconds", "system_prompt", "live_sessions", "counted_unix")
@@ -244,7 +248,7 @@ class Observation(_message.Message):
     def __init__(self, text: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("session_id", "status", "observation", "reward", "reward_components", "done", "truncated", "success", "action_valid", "actions_executed", "parsed_actions", "reasoning", "anchor", "feedback", "info", "turn", "episode", "transition", "trial")
+    __slots__ = ("session_id", "status", "observation", "reward", "reward_components", "done", "truncated", "success", "action_valid", "actions_executed", "parsed_actions", "reasoning", "anchor", "feedback", "info", "turn", "episode", "transition", "trial", "info_json")
     class RewardComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +282,7 @@ class StepResult(_message.Message):
     EPISODE_FIELD_NUMBER: _ClassVar[int]
     TRANSITION_FIELD_NUMBER: _ClassVar[int]
     TRIAL_FIELD_NUMBER: _ClassVar[int]
+    INFO_JSON_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     status: ItemStatus
     observation: Observation
@@ -297,7 +302,8 @@ class StepResult(_message.Message):
     episode: int
     transition: str
     trial: int
-    def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[ItemStatus, _Mapping]] = ..., observation: _Optional[_Union[Observation, _Mapping]] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., done: _Optional[bool] = ..., truncated: _Optional[bool] = ..., success: _Optional[bool] = ..., action_valid: _Optional[bool] = ..., actions_executed: _Optional[int] = ..., parsed_actions: _Optional[_Iterable[str]] = ..., reasoning: _Optional[_Mapping[str, str]] = ..., anchor: _Optional[str] = ..., feedback: _Optional[str] = ..., info: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ..., transition: _Optional[str] = ..., trial: _Optional[int] = ...) -> None: ...
+    info_json: str
+    def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[ItemStatus, _Mapping]] = ..., observation: _Optional[_Union[Observation, _Mapping]] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., done: _Optional[bool] = ..., truncated: _Optional[bool] = ..., success: _Optional[bool] = ..., action_valid: _Optional[bool] = ..., actions_executed: _Optional[int] = ..., parsed_actions: _Optional[_Iterable[str]] = ..., reasoning: _Optional[_Mapping[str, str]] = ..., anchor: _Optional[str] = ..., feedback: _Optional[str] = ..., info: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ..., transition: _Optional[str] = ..., trial: _Optional[int] = ..., info_json: _Optional[str] = ...) -> None: ...
 
 class BatchResponse(_message.Message):
     __slots__ = ("results",)
@@ -358,7 +364,7 @@ class ReplayTurn(_message.Message):
     def __init__(self, action: _Optional[str] = ..., anchor: _Optional[str] = ...) -> None: ...
 
 class SessionHistory(_message.Message):
-    __slots__ = ("env_id", "config", "action_format", "seed", "trial", "episode", "reset_anchor", "turns", "state_readers", "stats_scope")
+    __slots__ = ("env_id", "config", "action_format", "seed", "trial", "episode", "reset_anchor", "turns", "state_readers", "stats_scope", "config_json")
     ENV_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     ACTION_FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -369,6 +375,7 @@ class SessionHistory(_message.Message):
     TURNS_FIELD_NUMBER: _ClassVar[int]
     STATE_READERS_FIELD_NUMBER: _ClassVar[int]
     STATS_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     env_id: str
     config: _struct_pb2.Struct
     action_format: str
@@ -379,7 +386,8 @@ class SessionHistory(_message.Message):
     turns: _containers.RepeatedCompositeFieldContainer[ReplayTurn]
     state_readers: _containers.RepeatedScalarFieldContainer[str]
     stats_scope: str
-    def __init__(self, env_id: _Optional[str] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., action_format: _Optional[str] = ..., seed: _Optional[int] = ..., trial: _Optional[int] = ..., episode: _Optional[int] = ..., reset_anchor: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[ReplayTurn, _Mapping]]] = ..., state_readers: _Optional[_Iterable[str]] = ..., stats_scope: _Optional[str] = ...) -> None: ...
+    config_json: str
+    def __init__(self, env_id: _Optional[str] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., action_format: _Optional[str] = ..., seed: _Optional[int] = ..., trial: _Optional[int] = ..., episode: _Optional[int] = ..., reset_anchor: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[ReplayTurn, _Mapping]]] = ..., state_readers: _Optional[_Iterable[str]] = ..., stats_scope: _Optional[str] = ..., config_json: _Optional[str] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
     __slots__ = ("sessions",)
@@ -429,8 +437,20 @@ class GetStateRequest(_message.Message):
     trial: int
     def __init__(self, session_id: _Optional[str] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ..., trial: _Optional[int] = ...) -> None: ...
 
+class ReadStateRequest(_message.Message):
+    __slots__ = ("session_id", "turn", "episode", "trial")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_FIELD_NUMBER: _ClassVar[int]
+    TRIAL_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    turn: int
+    episode: int
+    trial: int
+    def __init__(self, session_id: _Optional[str] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ..., trial: _Optional[int] = ...) -> None: ...
+
 class GetStateResponse(_message.Message):
-    __slots__ = ("session_id", "turn", "episode", "state", "relations", "anchor", "observation_text", "env_id", "trial")
+    __slots__ = ("session_id", "turn", "episode", "state", "relations", "anchor", "observation_text", "env_id", "trial", "state_json")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_FIELD_NUMBER: _ClassVar[int]
     EPISODE_FIELD_NUMBER: _ClassVar[int]
@@ -440,6 +460,7 @@ class GetStateResponse(_message.Message):
     OBSERVATION_TEXT_FIELD_NUMBER: _ClassVar[int]
     ENV_ID_FIELD_NUMBER: _ClassVar[int]
     TRIAL_FIELD_NUMBER: _ClassVar[int]
+    STATE_JSON_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     turn: int
     episode: int
@@ -449,7 +470,8 @@ class GetStateResponse(_message.Message):
     observation_text: str
     env_id: str
     trial: int
-    def __init__(self, session_id: _Optional[str] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ..., state: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., relations: _Optional[_Iterable[str]] = ..., anchor: _Optional[str] = ..., observation_text: _Optional[str] = ..., env_id: _Optional[str] = ..., trial: _Optional[int] = ...) -> None: ...
+    state_json: str
+    def __init__(self, session_id: _Optional[str] = ..., turn: _Optional[int] = ..., episode: _Optional[int] = ..., state: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., relations: _Optional[_Iterable[str]] = ..., anchor: _Optional[str] = ..., observation_text: _Optional[str] = ..., env_id: _Optional[str] = ..., trial: _Optional[int] = ..., state_json: _Optional[str] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
     __slots__ = ("env_id", "limit", "include_images")
@@ -574,7 +596,7 @@ class GetJudgeInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class JudgeInfo(_message.Message):
-    __slots__ = ("judge_by_env", "fallback_judge", "config", "judges")
+    __slots__ = ("judge_by_env", "fallback_judge", "config", "judges", "config_json")
     class JudgeByEnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -586,8 +608,10 @@ class JudgeInfo(_message.Message):
     FALLBACK_JUDGE_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     JUDGES_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     judge_by_env: _containers.ScalarMap[str, str]
     fallback_judge: str
     config: _struct_pb2.Struct
     judges: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, judge_by_env: _Optional[_Mapping[str, str]] = ..., fallback_judge: _Optional[str] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., judges: _Optional[_Iterable[str]] = ...) -> None: ...
+    config_json: str
+    def __init__(self, judge_by_env: _Optional[_Mapping[str, str]] = ..., fallback_judge: _Optional[str] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., judges: _Optional[_Iterable[str]] = ..., config_json: _Optional[str] = ...) -> None: ...

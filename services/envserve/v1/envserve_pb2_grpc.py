@@ -26,7 +26,13 @@ if _version_not_supported:
 
 
 class EnvServiceStub:
-    """The data path: open sessions, reset and step them in batches or over a stream.
+    """Values whose shape depends on the environment (a config, a ground-truth state, a result's info,
+    a task's parameters) travel twice: as a google.protobuf.Struct, and as JSON text in a sibling
+    `*_json` field. Struct holds every number as a double and most generated clients show it as
+    nested wrapper objects; the JSON text parses in any language into plain values with integers
+    kept as integers. Read the `*_json` field; the Struct stays for clients written before it.
+
+    The data path: open sessions, reset and step them in batches or over a stream.
     """
 
     def __init__(self, channel):
@@ -75,6 +81,11 @@ class EnvServiceStub:
                 request_serializer=envserve_dot_v1_dot_envserve__pb2.CloseRequest.SerializeToString,
                 response_deserializer=envserve_dot_v1_dot_envserve__pb2.CloseResponse.FromString,
                 _registered_method=True)
+        self.CloseSessions = channel.unary_unary(
+                '/envserve.v1.EnvService/CloseSessions',
+                request_serializer=envserve_dot_v1_dot_envserve__pb2.CloseRequest.SerializeToString,
+                response_deserializer=envserve_dot_v1_dot_envserve__pb2.CloseResponse.FromString,
+                _registered_method=True)
         self.Restore = channel.unary_unary(
                 '/envserve.v1.EnvService/Restore',
                 request_serializer=envserve_dot_v1_dot_envserve__pb2.RestoreRequest.SerializeToString,
@@ -93,7 +104,13 @@ class EnvServiceStub:
 
 
 class EnvServiceServicer:
-    """The data path: open sessions, reset and step them in batches or over a stream.
+    """Values whose shape depends on the environment (a config, a ground-truth state, a result's info,
+    a task's parameters) travel twice: as a google.protobuf.Struct, and as JSON text in a sibling
+    `*_json` field. Struct holds every number as a double and most generated clients show it as
+    nested wrapper objects; the JSON text parses in any language into plain values with integers
+    kept as integers. Read the `*_json` field; the Struct stays for clients written before it.
+
+    The data path: open sessions, reset and step them in batches or over a stream.
     """
 
     def ListEnvs(self, request, context):
@@ -144,7 +161,18 @@ class EnvServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Close(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Deprecated: use CloseSessions (same request and reply). Generated clients name a method after
+        its rpc, and `close` is the channel's own method in several runtimes (grpc-js, grpc-java's
+        ManagedChannel users); the replica serves both.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSessions(self, request, context):
+        """Closes sessions: one status per id, in request order (NOT_FOUND for an unknown or expired one,
+        PERMISSION_DENIED for another token's).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -219,6 +247,11 @@ def add_EnvServiceServicer_to_server(servicer, server):
                     request_deserializer=envserve_dot_v1_dot_envserve__pb2.CloseRequest.FromString,
                     response_serializer=envserve_dot_v1_dot_envserve__pb2.CloseResponse.SerializeToString,
             ),
+            'CloseSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSessions,
+                    request_deserializer=envserve_dot_v1_dot_envserve__pb2.CloseRequest.FromString,
+                    response_serializer=envserve_dot_v1_dot_envserve__pb2.CloseResponse.SerializeToString,
+            ),
             'Restore': grpc.unary_unary_rpc_method_handler(
                     servicer.Restore,
                     request_deserializer=envserve_dot_v1_dot_envserve__pb2.RestoreRequest.FromString,
@@ -243,7 +276,13 @@ def add_EnvServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class EnvService:
-    """The data path: open sessions, reset and step them in batches or over a stream.
+    """Values whose shape depends on the environment (a config, a ground-truth state, a result's info,
+    a task's parameters) travel twice: as a google.protobuf.Struct, and as JSON text in a sibling
+    `*_json` field. Struct holds every number as a double and most generated clients show it as
+    nested wrapper objects; the JSON text parses in any language into plain values with integers
+    kept as integers. Read the `*_json` field; the Struct stays for clients written before it.
+
+    The data path: open sessions, reset and step them in batches or over a stream.
     """
 
     @staticmethod
@@ -463,6 +502,33 @@ class EnvService:
             _registered_method=True)
 
     @staticmethod
+    def CloseSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/envserve.v1.EnvService/CloseSessions',
+            envserve_dot_v1_dot_envserve__pb2.CloseRequest.SerializeToString,
+            envserve_dot_v1_dot_envserve__pb2.CloseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Restore(request,
             target,
             options=(),
@@ -560,6 +626,11 @@ class StateServiceStub:
                 request_serializer=envserve_dot_v1_dot_envserve__pb2.GetStateRequest.SerializeToString,
                 response_deserializer=envserve_dot_v1_dot_envserve__pb2.GetStateResponse.FromString,
                 _registered_method=True)
+        self.ReadState = channel.unary_unary(
+                '/envserve.v1.StateService/ReadState',
+                request_serializer=envserve_dot_v1_dot_envserve__pb2.ReadStateRequest.SerializeToString,
+                response_deserializer=envserve_dot_v1_dot_envserve__pb2.GetStateResponse.FromString,
+                _registered_method=True)
 
 
 class StateServiceServicer:
@@ -568,7 +639,16 @@ class StateServiceServicer:
     """
 
     def GetState(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Deprecated: use ReadState. Its `turn` has no presence, so a request that leaves it out asks
+        for turn 0, where the clients' "no turn" means the latest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadState(self, request, context):
+        """The ground truth of a session at a turn; a request without a turn reads the latest.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -579,6 +659,11 @@ def add_StateServiceServicer_to_server(servicer, server):
             'GetState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetState,
                     request_deserializer=envserve_dot_v1_dot_envserve__pb2.GetStateRequest.FromString,
+                    response_serializer=envserve_dot_v1_dot_envserve__pb2.GetStateResponse.SerializeToString,
+            ),
+            'ReadState': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadState,
+                    request_deserializer=envserve_dot_v1_dot_envserve__pb2.ReadStateRequest.FromString,
                     response_serializer=envserve_dot_v1_dot_envserve__pb2.GetStateResponse.SerializeToString,
             ),
     }
@@ -610,6 +695,33 @@ class StateService:
             target,
             '/envserve.v1.StateService/GetState',
             envserve_dot_v1_dot_envserve__pb2.GetStateRequest.SerializeToString,
+            envserve_dot_v1_dot_envserve__pb2.GetStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/envserve.v1.StateService/ReadState',
+            envserve_dot_v1_dot_envserve__pb2.ReadStateRequest.SerializeToString,
             envserve_dot_v1_dot_envserve__pb2.GetStateResponse.FromString,
             options,
             channel_credentials,

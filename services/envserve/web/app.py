@@ -239,7 +239,7 @@ def create_app(directory_url: str = "", replicas=(), root_certificates: bytes | 
         md = _forwarded(request)
         r = await session_replica(session_id, md)
         req = get_state_request(session_id, turn, episode, trial)
-        return to_json(await table.stubs(r).state.GetState(req, timeout=timeout, metadata=md))
+        return to_json(await table.stubs(r).state.ReadState(req, timeout=timeout, metadata=md))
 
     # -- MonitorService and the page ----------------------------------------------------------------
     @app.get("/v1/live")

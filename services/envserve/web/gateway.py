@@ -142,7 +142,7 @@ class Gateway:
     async def close_sessions(self, ids: list[str], md) -> list[pb.ItemStatus]:
         async def call(r, indices):
             sub = pb.CloseRequest(session_ids=[ids[i] for i in indices])
-            return list((await self.table.stubs(r).env.Close(sub, timeout=self.timeout, metadata=md)).statuses)
+            return list((await self.table.stubs(r).env.CloseSessions(sub, timeout=self.timeout, metadata=md)).statuses)
         return await self.fan_out(ids, md, call, status_failure)
 
     async def fan_out(self, ids: list[str], md, call, make_failure: Callable) -> list:

@@ -47,10 +47,10 @@ from typing import Any, Optional
 
 import grpc
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
-from google.protobuf import json_format
 from pydantic import BaseModel, ConfigDict, Field
 
 from envserve import __version__
+from envserve.client import info_dict
 from envserve.client._requests import open_request, reset_item
 from envserve.directory import ReplicaInfo
 from envserve.rpc.values import status_code
@@ -197,7 +197,7 @@ def observation_payload(s: Session, r: pb.StepResult, reset: bool = False) -> di
             "parsed_actions": list(r.parsed_actions), "truncated": r.truncated, "success": r.success,
             "feedback": r.feedback, "reward_components": dict(r.reward_components),
             "reasoning": dict(r.reasoning),
-            "info": json_format.MessageToDict(r.info) if r.info.fields else {}}
+            "info": info_dict(r)}
     if reset:
         meta["system_prompt"] = s.system_prompt
     obs = r.observation

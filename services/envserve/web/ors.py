@@ -27,6 +27,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from envserve.client import json_field
 from envserve.v1 import envserve_pb2 as pb
 
 from .gateway import ApiError, Gateway, forwarded
@@ -66,9 +67,8 @@ def split_type(name: str) -> str:
 
 
 def _task(t: pb.Task) -> dict[str, Any]:
-    from google.protobuf.json_format import MessageToDict
     return {"task_id": t.task_id, "seed": t.seed, "split": t.split, "description": t.description,
-            "task_type": t.task_type, "parameters": MessageToDict(t.parameters)}
+            "task_type": t.task_type, "parameters": json_field(t, "parameters")}
 
 
 def _blocks(text: str, obs: pb.Observation) -> list[dict[str, Any]]:

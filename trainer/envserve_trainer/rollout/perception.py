@@ -46,7 +46,7 @@ def gather_views(client, cfg, seeds: Sequence[int]) -> list[View]:
     """A view per observation of `perception.moves` random moves (perception.actions) on each board
     of `seeds`, through the service; a board's moves end with its episode. The same seeds and
     perception.seed give the same views."""
-    from google.protobuf.json_format import MessageToDict
+    from envserve.client import state_dict
 
     p, env = cfg.perception, cfg.env
     rng = random.Random(f"{p.seed}:{seeds[0] if seeds else 0}")
@@ -59,7 +59,7 @@ def gather_views(client, cfg, seeds: Sequence[int]) -> list[View]:
                 if not result.observation.images:
                     raise ValueError(f"{env.env_id} observations carry no image: perception needs "
                                      "env_config render_image")
-                views.append(View(result.observation.images[0].png, MessageToDict(client.get_state(sid).state)))
+                views.append(View(result.observation.images[0].png, state_dict(client.get_state(sid))))
                 if result.done or result.truncated or k == p.moves:
                     break
                 result = client.step_one(sid, f"<answer>{rng.choice(p.actions)}</answer>")
