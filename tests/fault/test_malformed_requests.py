@@ -80,18 +80,21 @@ def _targets(server, judge):
         "Reset": pb.ResetRequest(items=[pb.ResetItem(session_id=sid, seed=5)]),
         "Step": pb.StepRequest(items=[pb.StepItem(session_id=sid, action="<answer>Left</answer>")]),
         "Interact": pb.InteractRequest(items=[pb.InteractItem(tag=1, step=pb.StepItem(session_id=sid, action="Up"))]),
-        "Fork": pb.ForkRequest(session_id=sid, count=1), "Close": pb.CloseRequest(session_ids=["nobody"]),
+        "Fork": pb.ForkRequest(session_id=sid, count=1), "CloseSessions": pb.CloseRequest(session_ids=["nobody"]),
         "Restore": pb.RestoreRequest(sessions=[pb.SessionHistory(
             env_id="frozenlake", seed=3, trial=0, episode=0,
             turns=[pb.ReplayTurn(action="<answer>Left</answer>")])]),
         "ListTasks": pb.ListTasksRequest(env_id="frozenlake", split="test", page_size=3, page_token="3"),
         "GetTaskStats": pb.GetTaskStatsRequest(env_id="frozenlake", scope="fuzz"),
-        "GetState": pb.GetStateRequest(session_id=sid), "ListSessions": pb.ListSessionsRequest(),
+        "GetState": pb.GetStateRequest(session_id=sid), "ReadState": pb.ReadStateRequest(session_id=sid),
+        "ListSessions": pb.ListSessionsRequest(),
         "Judge": pb.JudgeRequest(), "GetJudgeInfo": pb.GetJudgeInfoRequest(),
     }
     out = []
     for service in ("EnvService", "StateService", "MonitorService"):
         out += [(server.address, *m, valid[m[0].rsplit("/", 1)[1]].SerializeToString()) for m in _methods(service)]
+    # Served under the name release 0.1.0 gave CloseSessions, outside today's proto.
+    out.append((server.address, "/envserve.v1.EnvService/Close", False, False, valid["CloseSessions"].SerializeToString()))
     out += [(judge.address, *m, valid[m[0].rsplit("/", 1)[1]].SerializeToString()) for m in _methods("JudgeService")]
     health = health_pb2.HealthCheckRequest(service="").SerializeToString()
     refl = reflection_pb2.ServerReflectionRequest(list_services="").SerializeToString()

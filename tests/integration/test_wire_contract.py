@@ -14,7 +14,7 @@ from envserve.v1 import envserve_pb2_grpc as pb_grpc
 @pytest.fixture(scope="module")
 def stubs(grid_server):
     with grpc.insecure_channel(grid_server.address) as channel:
-        yield pb_grpc.EnvServiceStub(channel), pb_grpc.StateServiceStub(channel)
+        yield pb_grpc.EnvServiceStub(channel), pb_grpc.StateServiceStub(channel), channel
 
 
 def _open(env, config_json="", **kw):
@@ -22,7 +22,7 @@ def _open(env, config_json="", **kw):
 
 
 def test_config_json_opens_with_integers_and_refuses_an_unknown_key(stubs):
-    env, _ = stubs
+    env, _, _ = stubs
     with pytest.raises(grpc.RpcError) as e:
         _open(env, json.dumps({"bogus": 1}))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "bogus" in e.value.details()
@@ -39,7 +39,7 @@ def test_config_json_opens_with_integers_and_refuses_an_unknown_key(stubs):
 
 
 def test_state_info_and_task_parameters_keep_integers(stubs):
-    env, state = stubs
+    env, state, _ = stubs
     sid = _open(env).session_ids[0]
     r = env.Reset(pb.ResetRequest(items=[pb.ResetItem(session_id=sid, seed=5)]), timeout=30).results[0]
     info = json.loads(r.info_json)
@@ -57,7 +57,7 @@ def test_state_info_and_task_parameters_keep_integers(stubs):
 
 
 def test_read_state_without_a_turn_is_the_latest_and_get_state_keeps_its_meaning(stubs):
-    env, state = stubs
+    env, state, _ = stubs
     sid = _open(env).session_ids[0]
     env.Reset(pb.ResetRequest(items=[pb.ResetItem(session_id=sid, seed=1)]), timeout=30)
     for action in ("Up", "Left"):
@@ -75,7 +75,7 @@ def test_read_state_without_a_turn_is_the_latest_and_get_state_keeps_its_meaning
 
 
 def test_every_result_carries_a_status_and_both_close_names_close(stubs):
-    env, _ = stubs
+    env, _, channel = stubs
     ids = list(env.Open(pb.OpenRequest(env_id="frozenlake", count=2), timeout=30).session_ids)
     for r in env.Reset(pb.ResetRequest(items=[pb.ResetItem(session_id=s, seed=0) for s in ids]), timeout=30).results:
         assert r.HasField("status") and r.status.code == 0
@@ -91,13 +91,16 @@ def test_every_result_carries_a_status_and_both_close_names_close(stubs):
     assert got[0].tag == 7 and got[0].result.HasField("status") and got[0].result.status.code == 0
     closed = env.CloseSessions(pb.CloseRequest(session_ids=[ids[0], "no-such-session"]), timeout=30).statuses
     assert [s.code for s in closed] == [0, grpc.StatusCode.NOT_FOUND.value[0]]
-    assert [s.code for s in env.Close(pb.CloseRequest(session_ids=[ids[1]]), timeout=30).statuses] == [0]
+    # The name release 0.1.0 gave CloseSessions is still answered, for clients generated from it.
+    close = channel.unary_unary("/envserve.v1.EnvService/Close", request_serializer=pb.CloseRequest.SerializeToString,
+                                response_deserializer=pb.CloseResponse.FromString)
+    assert [s.code for s in close(pb.CloseRequest(session_ids=[ids[1]]), timeout=30).statuses] == [0]
     after = env.Step(pb.StepRequest(items=[pb.StepItem(session_id=ids[1], action="Up")]), timeout=30).results[0]
     assert after.status.code == grpc.StatusCode.NOT_FOUND.value[0]
 
 
 def test_restore_takes_a_history_with_config_json(stubs):
-    env, _ = stubs
+    env, _, _ = stubs
     history = pb.SessionHistory(env_id="sokoban", config_json=json.dumps({"dim_room": 7, "num_boxes": 1}),
                                 seed=4)
     restored = env.Restore(pb.RestoreRequest(sessions=[history]), timeout=30).sessions[0]

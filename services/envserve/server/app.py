@@ -47,8 +47,9 @@ def add_env_service(servicer: EnvService, server: grpc.aio.Server) -> None:
         "Interact": grpc.stream_stream_rpc_method_handler(
             servicer.Interact, request_deserializer=pb.InteractRequest.FromString, response_serializer=None),
         "Fork": unary(servicer.Fork, pb.ForkRequest),
-        "Close": unary(servicer.Close, pb.CloseRequest),
         "CloseSessions": unary(servicer.CloseSessions, pb.CloseRequest),
+        # CloseSessions under the name release 0.1.0 gave it, for clients generated from that proto.
+        "Close": unary(servicer.CloseSessions, pb.CloseRequest),
         "Restore": unary(servicer.Restore, pb.RestoreRequest),
         "ListTasks": unary(servicer.ListTasks, pb.ListTasksRequest),
         "GetTaskStats": unary(servicer.GetTaskStats, pb.GetTaskStatsRequest),
@@ -63,10 +64,11 @@ def _serialize(message) -> bytes:
 
 
 class ReplicaServer:
-    def __init__(self, config: ServerConfig, openenv_endpoint=None):
+    def __init__(self, config: ServerConfig, openenv_endpoint=None, mcp_endpoint=None):
         """openenv_endpoint: with config.openenv_port, makes the OpenEnv endpoint from a gateway over
         this replica's sessions (gateway, host, port, idle_seconds, config=) -> object with start(),
-        stop() and url; the command line hands in envserve.web's (the server depends on no HTTP front)."""
+        stop() and url; the command line hands in envserve.web's (the server depends on no HTTP front).
+        mcp_endpoint: the same for the MCP endpoint, with config.mcp_port."""
         if not config.env_ids:
             raise ValueError("serve at least one environment")
         self.config = config
@@ -88,6 +90,8 @@ class ReplicaServer:
         self._stopped = asyncio.Event()
         self.openenv = None  # the OpenEnv endpoint, with --openenv-port
         self._openenv_endpoint = openenv_endpoint
+        self.mcp = None  # the MCP endpoint, with --mcp-port
+        self._mcp_endpoint = mcp_endpoint
 
     async def start(self) -> int:
         opts = [*server_options(self.config.max_message_bytes, self.config.max_pending_calls), ("grpc.so_reuseport", 0)]
@@ -113,6 +117,13 @@ class ReplicaServer:
                                                       self.config.openenv_port, self.config.openenv_idle_seconds,
                                                       config=self.config)
                 self.openenv.start()
+            if self.config.mcp_port >= 0:
+                if self._mcp_endpoint is None:
+                    raise ValueError("an MCP port needs the endpoint to serve on it (envserve.web's)")
+                from .openenv_front import LocalGateway
+                self.mcp = self._mcp_endpoint(LocalGateway(self.replica), self.config.mcp_host or self.config.host,
+                                              self.config.mcp_port, self.config.mcp_idle_seconds, config=self.config)
+                self.mcp.start()
         except BaseException:  # a port taken: the workers already started go with the rest
             await self.stop()
             raise
@@ -253,6 +264,8 @@ class ReplicaServer:
                 log.warning("deregister failed: %s", e)
         if self.openenv is not None:
             await self.openenv.stop()
+        if self.mcp is not None:
+            await self.mcp.stop()
         if self.server is not None:
             await self.server.stop(grace=1.0)
         await self.replica.close()
@@ -263,8 +276,8 @@ class ReplicaServer:
         await self._stopped.wait()
 
 
-async def serve_forever(config: ServerConfig, ready=None, openenv_endpoint=None) -> None:
-    server = ReplicaServer(config, openenv_endpoint)
+async def serve_forever(config: ServerConfig, ready=None, openenv_endpoint=None, mcp_endpoint=None) -> None:
+    server = ReplicaServer(config, openenv_endpoint, mcp_endpoint)
     await server.start()
     freeze_startup_objects()  # the front's collections (and an --inline Close's) skip its startup
     loop = asyncio.get_running_loop()
@@ -280,6 +293,8 @@ async def serve_forever(config: ServerConfig, ready=None, openenv_endpoint=None)
     inline = " (sessions step in this process)" if config.inline else ""
     if server.openenv is not None:
         print(f"envserve openenv on {server.openenv.url} (/<env_id>/ws)", flush=True)
+    if server.mcp is not None:
+        print(f"envserve mcp on {server.mcp.url} (/<env_id>)", flush=True)
     print(f"envserve serving {envs} on {server.address} with {config.resolved_workers()} workers{extra}{inline}",
           flush=True)
     if ready is not None:
@@ -287,6 +302,6 @@ async def serve_forever(config: ServerConfig, ready=None, openenv_endpoint=None)
     await server.wait()
 
 
-def run(config: ServerConfig, openenv_endpoint=None) -> None:
+def run(config: ServerConfig, openenv_endpoint=None, mcp_endpoint=None) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    asyncio.run(serve_forever(config, openenv_endpoint=openenv_endpoint))
+    asyncio.run(serve_forever(config, openenv_endpoint=openenv_endpoint, mcp_endpoint=mcp_endpoint))

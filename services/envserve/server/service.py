@@ -531,6 +531,29 @@ class Replica:
                 observe(env_id, seconds)
         return results
 
+    async def read_state(self, session_id: str, reader: Reader, turn: int = -1, episode: int | None = None,
+                         trial: int | None = None) -> pb.GetStateResponse:
+        """The ground truth of a session at a turn (StateService, and the HTTP fronts' own gateway),
+        for a reader the Authenticator let in; Refused with the status otherwise."""
+        sid = session_id
+        if sid in self.tables.by_seat:  # a seat reads its table's game
+            table, _, code, message = self.tables.find(sid, reader.owner)
+            if table is None:
+                raise Refused(getattr(grpc.StatusCode, code), message)
+            sid = table.host
+        rec, code, message = self.lookup(sid, reader=reader)
+        if rec is None:
+            raise Refused(getattr(grpc.StatusCode, code), message)
+        try:
+            reply = await self.pool.call(rec.worker, "get_state", (sid, turn, episode, trial))
+        except WorkerLost as e:
+            raise Refused(grpc.StatusCode.DATA_LOSS, f"session lost: {e}") from None
+        if reply[0] != "ok":
+            raise Refused(getattr(grpc.StatusCode, reply[1]), reply[2])
+        state = pb.GetStateResponse.FromString(reply[1])
+        state.session_id = session_id
+        return state
+
     def lost_result(self, sid: str, exc: BaseException) -> bytes:
         self.metrics.errors.labels(LOST).inc()
         _, code, message = self.lookup(sid, None)
@@ -977,8 +1000,6 @@ class EnvService(pb_grpc.EnvServiceServicer):
                                 f"CloseSessions; at most {self.r.config.max_batch_items} (--max-batch-items)")
         return pb.CloseResponse(statuses=await self.r.close_sessions(list(request.session_ids), owner))
 
-    Close = CloseSessions  # deprecated name of the same rpc
-
 
 def _cap(action: str) -> str:
     # Sessions reject texts over their own limit; never ship megabytes to a worker for that.
@@ -1014,22 +1035,8 @@ class StateService(pb_grpc.StateServiceServicer):
 
     async def _state(self, sid: str, turn: int, request, context):
         reader = await caller(context, self.r.auth.reader)
-        if sid in self.r.tables.by_seat:  # a seat reads its table's game
-            table, _, code, message = self.r.tables.find(sid, reader.owner)
-            if table is None:
-                await context.abort(getattr(grpc.StatusCode, code), message)
-            sid = table.host
-        rec, code, message = self.r.lookup(sid, reader=reader)
-        if rec is None:
-            await context.abort(getattr(grpc.StatusCode, code), message)
-        episode = request.episode if request.HasField("episode") else None
-        trial = request.trial if request.HasField("trial") else None
         try:
-            reply = await self.r.pool.call(rec.worker, "get_state", (sid, turn, episode, trial))
-        except WorkerLost as e:
-            await context.abort(grpc.StatusCode.DATA_LOSS, f"session lost: {e}")
-        if reply[0] != "ok":
-            await context.abort(getattr(grpc.StatusCode, reply[1]), reply[2])
-        state = pb.GetStateResponse.FromString(reply[1])
-        state.session_id = request.session_id
-        return state
+            return await self.r.read_state(sid, reader, turn, request.episode if request.HasField("episode") else None,
+                                           request.trial if request.HasField("trial") else None)
+        except Refused as e:
+            await context.abort(e.code, e.message)

@@ -76,11 +76,6 @@ class EnvServiceStub:
                 request_serializer=envserve_dot_v1_dot_envserve__pb2.ForkRequest.SerializeToString,
                 response_deserializer=envserve_dot_v1_dot_envserve__pb2.ForkResponse.FromString,
                 _registered_method=True)
-        self.Close = channel.unary_unary(
-                '/envserve.v1.EnvService/Close',
-                request_serializer=envserve_dot_v1_dot_envserve__pb2.CloseRequest.SerializeToString,
-                response_deserializer=envserve_dot_v1_dot_envserve__pb2.CloseResponse.FromString,
-                _registered_method=True)
         self.CloseSessions = channel.unary_unary(
                 '/envserve.v1.EnvService/CloseSessions',
                 request_serializer=envserve_dot_v1_dot_envserve__pb2.CloseRequest.SerializeToString,
@@ -160,18 +155,15 @@ class EnvServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Close(self, request, context):
-        """Deprecated: use CloseSessions (same request and reply). Generated clients name a method after
-        its rpc, and `close` is the channel's own method in several runtimes (grpc-js, grpc-java's
-        ManagedChannel users); the replica serves both.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def CloseSessions(self, request, context):
         """Closes sessions: one status per id, in request order (NOT_FOUND for an unknown or expired one,
         PERMISSION_DENIED for another token's).
+
+        Release 0.1.0 named this rpc `Close`. Replicas still answer /envserve.v1.EnvService/Close
+        with the same messages, so clients generated from 0.1.0 keep working, but the name is no longer
+        in this file: runtimes that give a service's client a method per rpc (grpc-js with
+        proto-loader) named it `close`, replacing the client's own close(), so the channel could not
+        be closed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -241,11 +233,6 @@ def add_EnvServiceServicer_to_server(servicer, server):
                     servicer.Fork,
                     request_deserializer=envserve_dot_v1_dot_envserve__pb2.ForkRequest.FromString,
                     response_serializer=envserve_dot_v1_dot_envserve__pb2.ForkResponse.SerializeToString,
-            ),
-            'Close': grpc.unary_unary_rpc_method_handler(
-                    servicer.Close,
-                    request_deserializer=envserve_dot_v1_dot_envserve__pb2.CloseRequest.FromString,
-                    response_serializer=envserve_dot_v1_dot_envserve__pb2.CloseResponse.SerializeToString,
             ),
             'CloseSessions': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSessions,
@@ -464,33 +451,6 @@ class EnvService:
             '/envserve.v1.EnvService/Fork',
             envserve_dot_v1_dot_envserve__pb2.ForkRequest.SerializeToString,
             envserve_dot_v1_dot_envserve__pb2.ForkResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Close(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/envserve.v1.EnvService/Close',
-            envserve_dot_v1_dot_envserve__pb2.CloseRequest.SerializeToString,
-            envserve_dot_v1_dot_envserve__pb2.CloseResponse.FromString,
             options,
             channel_credentials,
             insecure,
