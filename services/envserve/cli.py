@@ -1,4 +1,4 @@
-"""envserve command line: serve | up | web | judge | ls | replicas | play | state | new-env | health | demo."""
+"""envserve command line: serve | up | web | mcp | judge | ls | replicas | play | state | new-env | health | demo."""
 from __future__ import annotations
 
 import argparse
@@ -80,6 +80,23 @@ def _http_args(p: argparse.ArgumentParser) -> None:
                         "proxy in front); by default only over TLS or from this machine")
 
 
+def _mcp_args(p: argparse.ArgumentParser, prefix: str) -> None:
+    """What an MCP endpoint holds (envserve mcp, and a replica's --mcp-port)."""
+    from envserve.common.http import MCP_MAX_SESSIONS
+    p.add_argument(f"{prefix}idle-seconds", type=_positive_seconds, default=300.0,
+                   help="MCP endpoint: end an MCP session (and close its envserve session) after this many seconds "
+                        "without a request")
+    p.add_argument(f"{prefix}max-sessions", type=_positive, default=MCP_MAX_SESSIONS,
+                   help="MCP endpoint: MCP sessions held at once; opening more answers 503 (default: %(default)s)")
+    p.add_argument(f"{prefix}ground-truth", action="store_true",
+                   help="MCP endpoint: offer the `state` tool (ReadState), read with the caller's token where the "
+                        "replica lets it; off by default, so an agent under evaluation cannot read the answer")
+
+
+def _positive_seconds(text: str) -> float:
+    return _number(text, float, 1e-3, 1e300, "a number of seconds", "must be a finite number > 0")
+
+
 def _server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
     p.add_argument("--port", type=_port, default=default_port, help="gRPC port (0: any free port)")
@@ -142,6 +159,12 @@ def _server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--openenv-host", default="", help="address of the OpenEnv endpoint (default: --host)")
     p.add_argument("--openenv-idle-seconds", type=float, default=300.0,
                    help="close OpenEnv sessions opened over plain HTTP after this many seconds without a call")
+    p.add_argument("--mcp-port", type=_port_or_off, default=-1,
+                   help="also serve the environments as MCP tools (streamable HTTP) at "
+                        "http(s)://HOST:PORT/mcp/<env_id> from this process, no facade hop; HTTPS with --tls-cert, "
+                        "tokens checked as on gRPC (-1: off, 0: any free port)")
+    p.add_argument("--mcp-host", default="", help="address of the MCP endpoint (default: --host)")
+    _mcp_args(p, "--mcp-")
     _http_args(p)
     # Containers and pods set these through the environment.
     env = os.environ.get
@@ -193,6 +216,8 @@ def _config(args, env_ids):
                         drain_timeout_seconds=args.drain_timeout, migrate_on_drain=args.migrate_on_drain,
                         replica_id=args.replica_id, openenv_port=args.openenv_port,
                         openenv_host=args.openenv_host, openenv_idle_seconds=args.openenv_idle_seconds,
+                        mcp_port=args.mcp_port, mcp_host=args.mcp_host, mcp_idle_seconds=args.mcp_idle_seconds,
+                        mcp_max_sessions=args.mcp_max_sessions, mcp_ground_truth=args.mcp_ground_truth,
                         directory_url=args.directory, advertise_address=args.advertise,
                         external_address=args.external_address, heartbeat_seconds=args.heartbeat_seconds,
                         heartbeat_on_change_seconds=args.heartbeat_on_change_seconds,
@@ -255,8 +280,19 @@ def cmd_serve(args) -> int:
     if problems:
         print("\n".join(problems), file=sys.stderr)
         return 2
-    run(_config(args, args.envs), openenv_endpoint=_openenv_endpoint(args))
+    _run_replica(_config(args, args.envs), args)
     return 0
+
+
+def _run_replica(config, args) -> None:
+    """The replica, with its OpenEnv endpoint (--openenv-port) and its MCP endpoint (--mcp-port)
+    where asked: envserve.web's, handed in so that the server depends on no HTTP front."""
+    from envserve.server.app import run
+    mcp_endpoint = None
+    if config.mcp_port >= 0:
+        from envserve.web.replica_endpoint import McpEndpoint
+        mcp_endpoint = McpEndpoint
+    run(config, openenv_endpoint=_openenv_endpoint(args), mcp_endpoint=mcp_endpoint)
 
 
 def _openenv_endpoint(args):
@@ -284,7 +320,7 @@ def cmd_up(args) -> int:
     print(f"envserve up: {len(envs)} environments; connect with EnvClient('{args.host}:{args.port}')", flush=True)
     if args.http_port >= 0:
         _web_beside_replica(args)
-    run(_config(args, envs), openenv_endpoint=_openenv_endpoint(args))
+    _run_replica(_config(args, envs), args)
     return 0
 
 
@@ -341,6 +377,41 @@ def cmd_web(args) -> int:
         serve(app, args.host, args.port, announce=f" over {', '.join(sources)}", tls=tls)
     except ValueError as e:  # TLS files it cannot use
         print(f"envserve web: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_mcp(args) -> int:
+    """Environments as MCP tools (streamable HTTP) at /mcp/<env_id>, over the replicas of a
+    directory and/or fixed addresses, routed and authorised as the HTTP facade's doors are."""
+    from envserve.web.gateway import Gateway
+    from envserve.web.limits import HttpLimits
+    from envserve.web.mcp import McpSettings, create_mcp_app
+    from envserve.web.routing import ReplicaTable
+    from envserve.web.server import TlsFiles, serve
+    if not args.directory and not args.replica:
+        print("envserve mcp: give --directory URL and/or --replica HOST:PORT", file=sys.stderr)
+        return 2
+    try:
+        tls = TlsFiles.of(args.tls_cert, args.tls_key, args.tls_client_ca)
+    except ValueError as e:
+        print(f"envserve mcp: {e}", file=sys.stderr)
+        return 2
+    root = None
+    if args.tls_ca:
+        with open(args.tls_ca, "rb") as f:
+            root = f.read()
+    limits = HttpLimits(max_body_bytes=args.max_body_bytes, allow_plain_http_tokens=args.allow_plain_http_tokens)
+    table = ReplicaTable(args.directory, args.replica, root, args.external, 1.0, args.timeout)
+    settings = McpSettings(idle_seconds=args.idle_seconds, max_sessions=args.max_sessions,
+                           ground_truth=args.ground_truth)
+    app = create_mcp_app(Gateway(table, args.timeout, limits.token_cache_entries), settings, limits)
+    sources = ([f"directory {args.directory}"] if args.directory else []) + list(args.replica)
+    try:
+        serve(app, args.host, args.port, announce=f" over {', '.join(sources)}", tls=tls, name="mcp",
+              path="/mcp")
+    except ValueError as e:  # TLS files it cannot use
+        print(f"envserve mcp: {e}", file=sys.stderr)
         return 2
     return 0
 
@@ -893,6 +964,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require client certificates signed by this CA (mutual TLS) [$ENVSERVE_WEB_TLS_CLIENT_CA]")
     _http_args(p)
     p.set_defaults(fn=cmd_web)
+    p = sub.add_parser("mcp", help="environments as MCP tools (streamable HTTP) over replicas")
+    p.add_argument("--directory", default=os.environ.get("ENVSERVE_DIRECTORY", ""),
+                   help="redis://host:6379/0 (or memory://) [$ENVSERVE_DIRECTORY]")
+    p.add_argument("--replica", action="append", default=[], metavar="HOST:PORT", help="a fixed replica (repeatable)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
+    p.add_argument("--port", type=_port, default=8090, help="HTTP port (0: any free port)")
+    p.add_argument("--tls-ca", default="", help="CA certificate of replicas that serve TLS")
+    p.add_argument("--external", action="store_true", help="reach replicas at their external addresses")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per gRPC call")
+    _mcp_args(p, "--")
+    p.add_argument("--tls-cert", default=os.environ.get("ENVSERVE_WEB_TLS_CERT", ""),
+                   help="serve HTTPS with this certificate (PEM) [$ENVSERVE_WEB_TLS_CERT]")
+    p.add_argument("--tls-key", default=os.environ.get("ENVSERVE_WEB_TLS_KEY", ""),
+                   help="the certificate's key (PEM) [$ENVSERVE_WEB_TLS_KEY]")
+    p.add_argument("--tls-client-ca", default=os.environ.get("ENVSERVE_WEB_TLS_CLIENT_CA", ""),
+                   help="require client certificates signed by this CA (mutual TLS) [$ENVSERVE_WEB_TLS_CLIENT_CA]")
+    from envserve.common.http import MAX_BODY_BYTES
+    p.add_argument("--max-body-bytes", type=_positive, default=MAX_BODY_BYTES,
+                   help="refuse request bodies larger than this (413), while they are read (default: %(default)s)")
+    p.add_argument("--allow-plain-http-tokens", action="store_true",
+                   help="accept bearer tokens over plain HTTP from other machines (TLS ended by a proxy in front); "
+                        "by default only over TLS or from this machine")
+    p.set_defaults(fn=cmd_mcp)
     p = sub.add_parser("judge", help="score agents' grounding and world modelling against ground truth")
     env = os.environ.get
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")

@@ -5,3 +5,4 @@ MAX_BODY_BYTES = 64 * 1024 * 1024  # a request body or WebSocket message; as the
 MAX_JSON_DEPTH = 64  # the protocol's messages nest five deep; env configs a few more
 OPENENV_MAX_HTTP_SESSIONS = 10_000  # OpenEnv sessions opened over plain HTTP; as a replica's --max-sessions
 TOKEN_CACHE_ENTRIES = 1024  # callers' tokens whose batchers are kept between calls
+MCP_MAX_SESSIONS = 10_000  # MCP sessions an endpoint holds at once (each an envserve session); as --max-sessions

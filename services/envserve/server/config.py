@@ -67,6 +67,15 @@ class ServerConfig:
     openenv_port: int = -1
     openenv_host: str = ""
     openenv_idle_seconds: float = 300.0
+    # Also serve the environments as MCP tools (streamable HTTP at /mcp/<env>) from this process
+    # (-1: off; 0: a free port); host "" means `host`. MCP sessions end after mcp_idle_seconds
+    # without a request, at most mcp_max_sessions are held, and the ground-truth tool is offered
+    # only with mcp_ground_truth.
+    mcp_port: int = -1
+    mcp_host: str = ""
+    mcp_idle_seconds: float = 300.0
+    mcp_max_sessions: int = http_defaults.MCP_MAX_SESSIONS
+    mcp_ground_truth: bool = False
     # The replica's HTTP fronts (the OpenEnv endpoint, and `up --http-port`'s facade): request
     # bodies and WebSocket messages up to this size, OpenEnv sessions opened over plain HTTP up to
     # this many, and bearer tokens over plain HTTP from other machines only when allowed (TLS ended

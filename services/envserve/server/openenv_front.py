@@ -70,6 +70,16 @@ class LocalGateway:
         return None, pb.OpenResponse(session_ids=ids, lease_seconds=self.r.config.lease_seconds,
                                      system_prompt=prompt)
 
+    async def read_state(self, req: pb.ReadStateRequest, md) -> pb.GetStateResponse:
+        """ReadState for a caller's metadata, checked as StateService checks it."""
+        try:
+            reader = self.r.auth.reader(_Metadata(tuple(md)))
+            return await self.r.read_state(req.session_id, reader, req.turn if req.HasField("turn") else -1,
+                                           req.episode if req.HasField("episode") else None,
+                                           req.trial if req.HasField("trial") else None)
+        except (Denied, Refused) as e:
+            raise ApiError(e.code, e.message) from None
+
     async def close_sessions(self, ids: list[str], md) -> list[pb.ItemStatus]:
         return await self.r.close_sessions(list(ids), self.owner(md))
 

@@ -67,3 +67,46 @@ class OpenEnvEndpoint:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._task, 5.0)
         await self.sessions.close_all()
+
+
+class McpEndpoint:
+    """An app with the MCP door (envserve.web.mcp) over `gateway`, at /mcp/<env_id> on host:port,
+    served in the running loop; its session manager lives in the app's lifespan."""
+
+    def __init__(self, gateway, host: str, port: int, idle_seconds: float = 300.0, config=None,
+                 max_sessions: int | None = None, ground_truth: bool | None = None):
+        from .mcp import McpSettings, create_mcp_app
+        from .server import bind
+        from envserve.common.http import MCP_MAX_SESSIONS
+        self.gateway = gateway
+        self.limits = limits_of(config)
+        self.tls = tls_of(config)
+        if ground_truth is None:
+            ground_truth = getattr(config, "mcp_ground_truth", False)
+        settings = McpSettings(idle_seconds=idle_seconds, ground_truth=ground_truth,
+                               max_sessions=max_sessions or getattr(config, "mcp_max_sessions", MCP_MAX_SESSIONS))
+        self.app = create_mcp_app(gateway, settings, self.limits)
+        self.sock = bind(host, port)
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self._server = None
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        from .server import start_on_loop
+        try:
+            self._server, self._task = start_on_loop(self.app, self.sock, self.tls, lifespan="on")
+        except BaseException:
+            self.sock.close()
+            raise
+
+    @property
+    def url(self) -> str:
+        from .server import display
+        return display(self.host, self.port, self.tls is not None) + "/mcp"
+
+    async def stop(self) -> None:
+        # The app's lifespan ends the MCP sessions, which close their envserve sessions.
+        if self._server is not None:
+            self._server.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._task, 5.0)

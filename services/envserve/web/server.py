@@ -110,11 +110,13 @@ class _NoSignals(uvicorn.Server):
         yield
 
 
-def start_on_loop(app, sock: socket.socket, tls: TlsFiles | None = None) -> tuple[uvicorn.Server, asyncio.Task]:
+def start_on_loop(app, sock: socket.socket, tls: TlsFiles | None = None,
+                  lifespan: str = "off") -> tuple[uvicorn.Server, asyncio.Task]:
     """uvicorn serving app on sock from the running event loop, beside whatever else runs
     there (a replica's gRPC server), without taking over SIGINT/SIGTERM. Stop it by setting
-    .should_exit and awaiting the task."""
-    server = _NoSignals(_config(app, lifespan="off", tls=tls))
+    .should_exit and awaiting the task. lifespan "on": the app's lifespan runs (an MCP endpoint's
+    session manager lives in it)."""
+    server = _NoSignals(_config(app, lifespan=lifespan, tls=tls))
     return server, asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
 
 
@@ -123,12 +125,14 @@ def display(host: str, port: int, tls: bool = False) -> str:
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
-def serve(app, host: str, port: int, announce: str = "", tls: TlsFiles | None = None) -> None:
-    """Blocks until SIGINT/SIGTERM (uvicorn's own handlers stop it gracefully)."""
+def serve(app, host: str, port: int, announce: str = "", tls: TlsFiles | None = None, name: str = "web",
+          path: str = "") -> None:
+    """Blocks until SIGINT/SIGTERM (uvicorn's own handlers stop it gracefully). name and path: what
+    the ready line calls the server, and the path its URL ends with."""
     server = _server(app, tls)
     sock = bind(host, port)
     port = sock.getsockname()[1]
-    print(f"envserve web on {display(host, port, tls is not None)}{announce}", flush=True)
+    print(f"envserve {name} on {display(host, port, tls is not None)}{path}{announce}", flush=True)
     asyncio.run(server.serve(sockets=[sock]))
 
 
