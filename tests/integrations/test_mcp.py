@@ -283,3 +283,16 @@ def test_langchain_mcp_adapters_play_sokoban_and_frozenlake(replica, facade):
         assert names == ["reset", "step"]
         assert last.artifact["structured_content"]["success"] is True, env
         assert last.artifact["structured_content"]["done"] is True
+
+
+def test_a_household_text_game_plays_to_the_end_through_the_replicas_endpoint():
+    """ALFWorld (generated games): words in, words out, its handcoded expert's commands as the
+    agent's, to the task's end."""
+    with ServerProcess(["alfworld"], workers=1, metrics=False, extra=["--mcp-port", "0"]) as s:
+        answers = expert_answers(s, "alfworld", 2)
+        names, first, steps = run(play_sdk(replica_mcp_url(s) + "/alfworld", answers, 2))
+    assert names == ["step", "reset"]
+    assert "Your task is to" in first.content[0].text
+    assert [x.structuredContent["action_valid"] for x in steps] == [True] * len(steps)
+    assert steps[-1].structuredContent["done"] and steps[-1].structuredContent["success"]
+    assert not any(x.structuredContent["done"] for x in steps[:-1])

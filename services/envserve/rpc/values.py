@@ -89,15 +89,19 @@ def _json_default(o):
     return str(o)
 
 
+# One encoder for every *_json field: json.dumps with options builds a new one per call, which cost
+# more than encoding a step's small info.
+_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=_json_default)
+
+
 def json_text(data) -> str:
     """`data` as the JSON text of a `*_json` field (the sibling of a Struct): integers stay
     integers, numpy values become plain ones, and NaN or an infinity, which JSON cannot spell and
     other languages' parsers refuse, becomes null."""
     try:
-        return json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=_json_default)
+        return _JSON.encode(data)
     except ValueError:
-        return json.dumps(_finite(json.loads(json.dumps(data, default=_json_default))), separators=(",", ":"),
-                          ensure_ascii=False, allow_nan=False)
+        return _JSON.encode(_finite(json.loads(json.dumps(data, default=_json_default))))
 
 
 def _finite(v):
