@@ -56,6 +56,9 @@ from .limits import HTTP_STATUS, HttpLimits
 from .openenv import OpenEnvError, OpenEnvSessions, Session
 
 log = logging.getLogger("envserve.web.mcp")
+# The SDK's server logs two INFO lines per request ("Processing request of type ..."): under a
+# replica's INFO logging that was a quarter of the endpoint's CPU at 64 sessions (py-spy).
+logging.getLogger("mcp.server.lowlevel.server").setLevel(logging.WARNING)
 
 PREFIX = "/mcp"
 # Tool arguments are the answer itself: the session's format wraps it in <answer> tags.
