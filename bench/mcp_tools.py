@@ -21,9 +21,7 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +30,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 sys.path.insert(0, str(HERE))
+
+from openenv_endpoint import ChildServer, counter_distribution  # noqa: E402
 
 LEFT = "Left"   # frozenlake from its start corner: into the wall, so the episode never ends
 ACCEPT = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream",
@@ -83,23 +83,9 @@ def serve_openenv_mcp(port: int) -> None:
     asyncio.run(server.serve(sockets=[sock]))
 
 
-class OpenEnvProcess:
+class OpenEnvProcess(ChildServer):
     def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, "-u", __file__, "--serve-openenv"], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env=dict(os.environ,
-                                                                                   ENABLE_WEB_INTERFACE="false"))
-        out = []
-        for line in self.proc.stdout:
-            out.append(line)
-            m = re.search(r"openenv server on (http://\S+)", line)
-            if m:
-                self.url = m.group(1)
-                return
-        raise RuntimeError("openenv server did not start:\n" + "".join(out))
-
-    def kill(self):
-        self.proc.kill()
-        self.proc.wait()
+        super().__init__([sys.executable, "-u", __file__, "--serve-openenv"])
 
 
 # -- clients ---------------------------------------------------------------------------------------------
@@ -230,7 +216,6 @@ def main() -> int:
     if args.serve_openenv:
         serve_openenv_mcp(0)
         return 0
-    from openenv_endpoint import counter_distribution
     from serverproc import ServerProcess
     out: dict = {"command": "python bench/mcp_tools.py " + " ".join(sys.argv[1:]), "sessions": args.sessions,
                  "seconds": args.seconds, "cpus": os.cpu_count()}

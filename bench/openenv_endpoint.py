@@ -143,10 +143,10 @@ def serve_openenv(port: int, use_async: bool, as_shipped: bool = False, envserve
     asyncio.run(server.serve(sockets=[sock]))
 
 
-class OpenEnvProcess:
-    def __init__(self, use_async: bool, as_shipped: bool = False, envserve_ws: bool = False):
-        cmd = [sys.executable, "-u", __file__, "--serve-openenv"] + (["--async-env"] if use_async else []) \
-            + (["--as-shipped"] if as_shipped else []) + (["--envserve-ws"] if envserve_ws else [])
+class ChildServer:
+    """An OpenEnv server in a child process (`cmd`), once it printed "openenv server on URL"."""
+
+    def __init__(self, cmd: list[str]):
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=dict(os.environ, ENABLE_WEB_INTERFACE="false"))
         out = []
@@ -161,6 +161,12 @@ class OpenEnvProcess:
     def kill(self):
         self.proc.kill()
         self.proc.wait()
+
+
+class OpenEnvProcess(ChildServer):
+    def __init__(self, use_async: bool, as_shipped: bool = False, envserve_ws: bool = False):
+        super().__init__([sys.executable, "-u", __file__, "--serve-openenv"] + (["--async-env"] if use_async else [])
+                         + (["--as-shipped"] if as_shipped else []) + (["--envserve-ws"] if envserve_ws else []))
 
 
 # -- the client -----------------------------------------------------------------------------------

@@ -127,7 +127,7 @@ def _server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--max-message-bytes", type=_positive, default=64 * 1024 * 1024,
                    help="largest gRPC message received or sent (default: %(default)s)")
     p.add_argument("--max-batch-items", type=_positive, default=4096,
-                   help="items of one Step, Reset, Close or Interact request at most (default: %(default)s)")
+                   help="items of one Step, Reset, CloseSessions or Interact request at most (default: %(default)s)")
     p.add_argument("--max-stream-items", type=_positive, default=4096,
                    help="items of one Interact stream in flight or unread by its client; past it the stream's "
                         "requests wait (default: %(default)s)")
@@ -270,7 +270,6 @@ def cmd_health(args) -> int:
 
 def cmd_serve(args) -> int:
     from envserve.core.registry import UnknownEnvironment, get_env_class
-    from envserve.server.app import run
     problems = []
     for e in args.envs:
         try:
@@ -315,7 +314,6 @@ def cmd_up(args) -> int:
         return up(args.envs or None, tag=args.image_tag, redis_image=args.redis_image,
                   first_port=args.port, workers=args.workers)
     from envserve.core.registry import env_ids
-    from envserve.server.app import run
     envs = args.envs or env_ids()
     print(f"envserve up: {len(envs)} environments; connect with EnvClient('{args.host}:{args.port}')", flush=True)
     if args.http_port >= 0:
@@ -348,23 +346,33 @@ def _http_limits(args):
                       allow_plain_http_tokens=args.allow_plain_http_tokens)
 
 
-def cmd_web(args) -> int:
-    """The HTTP/JSON facade and the live sessions page, over the replicas of a directory and/or
-    fixed addresses."""
-    from envserve.web import create_app, serve
+def _front_over_replicas(args, name: str):
+    """(its TLS files, the replicas' CA) for an HTTP front over replicas (`web`, `mcp`), or None
+    after saying on stderr what is wrong with its arguments."""
     from envserve.web.server import TlsFiles
     if not args.directory and not args.replica:
-        print("envserve web: give --directory URL and/or --replica HOST:PORT", file=sys.stderr)
-        return 2
+        print(f"envserve {name}: give --directory URL and/or --replica HOST:PORT", file=sys.stderr)
+        return None
     try:
         tls = TlsFiles.of(args.tls_cert, args.tls_key, args.tls_client_ca)
     except ValueError as e:
-        print(f"envserve web: {e}", file=sys.stderr)
-        return 2
+        print(f"envserve {name}: {e}", file=sys.stderr)
+        return None
     root = None
     if args.tls_ca:
         with open(args.tls_ca, "rb") as f:
             root = f.read()
+    return tls, root
+
+
+def cmd_web(args) -> int:
+    """The HTTP/JSON facade and the live sessions page, over the replicas of a directory and/or
+    fixed addresses."""
+    from envserve.web import create_app, serve
+    front = _front_over_replicas(args, "web")
+    if front is None:
+        return 2
+    tls, root = front
     token = os.environ.get("ENVSERVE_MONITOR_TOKEN", "")
     if args.monitor_token_file:
         from envserve.rpc.auth import read_tokens
@@ -388,19 +396,11 @@ def cmd_mcp(args) -> int:
     from envserve.web.limits import HttpLimits
     from envserve.web.mcp import McpSettings, create_mcp_app
     from envserve.web.routing import ReplicaTable
-    from envserve.web.server import TlsFiles, serve
-    if not args.directory and not args.replica:
-        print("envserve mcp: give --directory URL and/or --replica HOST:PORT", file=sys.stderr)
+    from envserve.web.server import serve
+    front = _front_over_replicas(args, "mcp")
+    if front is None:
         return 2
-    try:
-        tls = TlsFiles.of(args.tls_cert, args.tls_key, args.tls_client_ca)
-    except ValueError as e:
-        print(f"envserve mcp: {e}", file=sys.stderr)
-        return 2
-    root = None
-    if args.tls_ca:
-        with open(args.tls_ca, "rb") as f:
-            root = f.read()
+    tls, root = front
     limits = HttpLimits(max_body_bytes=args.max_body_bytes, allow_plain_http_tokens=args.allow_plain_http_tokens)
     table = ReplicaTable(args.directory, args.replica, root, args.external, 1.0, args.timeout)
     settings = McpSettings(idle_seconds=args.idle_seconds, max_sessions=args.max_sessions,

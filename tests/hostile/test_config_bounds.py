@@ -99,7 +99,7 @@ def test_restore_refuses_a_bad_config_alone(stub):
     assert nan.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and nan.message == "config.dim_room: nan is not a finite number"
     assert big.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "config.dim_room: 40 is greater" in big.message
     assert good.code == 0 and reply.sessions[2].session_id
-    stub.Close(pb.CloseRequest(session_ids=[reply.sessions[2].session_id]), timeout=60)
+    stub.CloseSessions(pb.CloseRequest(session_ids=[reply.sessions[2].session_id]), timeout=60)
 
 
 def test_the_largest_sokoban_config_resets(server, report):

@@ -263,7 +263,7 @@ def test_thousands_of_concurrent_unary_steps_are_queued_not_cancelled(grid_serve
                         errors.append(e.code().name)
 
             await asyncio.gather(*[session(s) for s in ids])
-            await stub.Close(pb.CloseRequest(session_ids=ids))
+            await stub.CloseSessions(pb.CloseRequest(session_ids=ids))
             return errors
 
     assert asyncio.run(run()) == []

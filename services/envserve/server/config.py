@@ -35,7 +35,7 @@ class ServerConfig:
     stats_flush_seconds: float = 2.0
     stats_ttl_seconds: float = 7 * 24 * 3600.0
     stats_max_tasks: int = 20_000
-    # Items of one Step, Reset, Close or InteractRequest at most (a bigger call is INVALID_ARGUMENT).
+    # Items of one Step, Reset, CloseSessions or InteractRequest at most (a bigger call is INVALID_ARGUMENT).
     max_batch_items: int = 4096
     # Items of one Interact stream in flight or answered but not yet read by its client; past this
     # the stream's requests wait unread (backpressure instead of memory).

@@ -25,24 +25,15 @@ def tls_of(config):
                        getattr(config, "tls_client_ca_file", ""))
 
 
-class OpenEnvEndpoint:
-    """An app with the OpenEnv routes over `gateway`, served on host:port in the running loop."""
+class _Endpoint:
+    """An app served on host:port in the running loop, beside the replica's gRPC server, with the
+    replica's limits and TLS files. Subclasses build `app` and name their `path`."""
+    path = ""
+    lifespan = "off"   # "on": the app's lifespan runs (where a session manager lives)
 
-    def __init__(self, gateway, host: str, port: int, idle_seconds: float = 300.0, config=None):
-        from fastapi import FastAPI
-
-        from .app import add_error_handlers
-        from .limits import HttpGuard
-        from .openenv import mount_openenv
+    def _bind(self, app, host: str, port: int) -> None:
         from .server import bind
-        self.gateway = gateway
-        self.limits = limits_of(config)
-        self.tls = tls_of(config)
-        self.app = FastAPI(title="envserve OpenEnv endpoint")
-        self.app.state.limits = self.limits
-        add_error_handlers(self.app)
-        self.app.add_middleware(HttpGuard, limits=self.limits)
-        self.sessions = mount_openenv(self.app, gateway, idle_seconds=idle_seconds, limits=self.limits)
+        self.app = app
         self.sock = bind(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
         self._server = None
@@ -51,7 +42,7 @@ class OpenEnvEndpoint:
     def start(self) -> None:
         from .server import start_on_loop
         try:
-            self._server, self._task = start_on_loop(self.app, self.sock, self.tls)
+            self._server, self._task = start_on_loop(self.app, self.sock, self.tls, lifespan=self.lifespan)
         except BaseException:
             self.sock.close()
             raise
@@ -59,24 +50,50 @@ class OpenEnvEndpoint:
     @property
     def url(self) -> str:
         from .server import display
-        return display(self.host, self.port, self.tls is not None) + "/openenv"
+        return display(self.host, self.port, self.tls is not None) + self.path
 
     async def stop(self) -> None:
         if self._server is not None:
             self._server.should_exit = True
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._task, 5.0)
+
+
+class OpenEnvEndpoint(_Endpoint):
+    """An app with the OpenEnv routes over `gateway`, served on host:port in the running loop."""
+    path = "/openenv"
+
+    def __init__(self, gateway, host: str, port: int, idle_seconds: float = 300.0, config=None):
+        from fastapi import FastAPI
+
+        from .app import add_error_handlers
+        from .limits import HttpGuard
+        from .openenv import mount_openenv
+        self.gateway = gateway
+        self.limits = limits_of(config)
+        self.tls = tls_of(config)
+        app = FastAPI(title="envserve OpenEnv endpoint")
+        app.state.limits = self.limits
+        add_error_handlers(app)
+        app.add_middleware(HttpGuard, limits=self.limits)
+        self.sessions = mount_openenv(app, gateway, idle_seconds=idle_seconds, limits=self.limits)
+        self._bind(app, host, port)
+
+    async def stop(self) -> None:
+        await super().stop()
         await self.sessions.close_all()
 
 
-class McpEndpoint:
+class McpEndpoint(_Endpoint):
     """An app with the MCP door (envserve.web.mcp) over `gateway`, at /mcp/<env_id> on host:port,
-    served in the running loop; its session manager lives in the app's lifespan."""
+    served in the running loop; its session manager lives in the app's lifespan, so stopping the
+    app ends the MCP sessions, which close their envserve sessions."""
+    path = "/mcp"
+    lifespan = "on"
 
     def __init__(self, gateway, host: str, port: int, idle_seconds: float = 300.0, config=None,
                  max_sessions: int | None = None, ground_truth: bool | None = None):
         from .mcp import McpSettings, create_mcp_app
-        from .server import bind
         from envserve.common.http import MCP_MAX_SESSIONS
         self.gateway = gateway
         self.limits = limits_of(config)
@@ -85,28 +102,4 @@ class McpEndpoint:
             ground_truth = getattr(config, "mcp_ground_truth", False)
         settings = McpSettings(idle_seconds=idle_seconds, ground_truth=ground_truth,
                                max_sessions=max_sessions or getattr(config, "mcp_max_sessions", MCP_MAX_SESSIONS))
-        self.app = create_mcp_app(gateway, settings, self.limits)
-        self.sock = bind(host, port)
-        self.host, self.port = host, self.sock.getsockname()[1]
-        self._server = None
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        from .server import start_on_loop
-        try:
-            self._server, self._task = start_on_loop(self.app, self.sock, self.tls, lifespan="on")
-        except BaseException:
-            self.sock.close()
-            raise
-
-    @property
-    def url(self) -> str:
-        from .server import display
-        return display(self.host, self.port, self.tls is not None) + "/mcp"
-
-    async def stop(self) -> None:
-        # The app's lifespan ends the MCP sessions, which close their envserve sessions.
-        if self._server is not None:
-            self._server.should_exit = True
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._task, 5.0)
+        self._bind(create_mcp_app(gateway, settings, self.limits), host, port)
