@@ -66,18 +66,38 @@ def _seconds(text: str) -> float:
     return _number(text, float, 0, 1e300, "a number of seconds", "must be a finite number >= 0")
 
 
-def _http_args(p: argparse.ArgumentParser) -> None:
-    """What an HTTP front accepts (envserve web, and a replica's --openenv-port and up's --http-port)."""
+def _http_args(p: argparse.ArgumentParser, openenv: bool = True) -> None:
+    """What an HTTP front accepts (envserve web and mcp, and a replica's --openenv-port, --mcp-port
+    and up's --http-port); openenv: the OpenEnv endpoint's own limit too."""
     from envserve.common.http import MAX_BODY_BYTES, OPENENV_MAX_HTTP_SESSIONS
     p.add_argument("--max-body-bytes", type=_positive, default=MAX_BODY_BYTES,
                    help="HTTP fronts: refuse request bodies and WebSocket messages larger than this (413), while "
                         "they are read (default: %(default)s)")
-    p.add_argument("--openenv-max-http-sessions", type=_positive, default=OPENENV_MAX_HTTP_SESSIONS,
-                   help="OpenEnv endpoint: sessions opened over plain HTTP (POST /reset) held at once; more answer "
-                        "RESOURCE_EXHAUSTED (default: %(default)s)")
+    if openenv:
+        p.add_argument("--openenv-max-http-sessions", type=_positive, default=OPENENV_MAX_HTTP_SESSIONS,
+                       help="OpenEnv endpoint: sessions opened over plain HTTP (POST /reset) held at once; more "
+                            "answer RESOURCE_EXHAUSTED (default: %(default)s)")
     p.add_argument("--allow-plain-http-tokens", action="store_true",
                    help="HTTP fronts: accept bearer tokens over plain HTTP from other machines (TLS ended by a "
                         "proxy in front); by default only over TLS or from this machine")
+
+
+def _front_args(p: argparse.ArgumentParser, default_port: int) -> None:
+    """Where an HTTP front over replicas (envserve web, mcp) finds them, and how it serves."""
+    p.add_argument("--directory", default=os.environ.get("ENVSERVE_DIRECTORY", ""),
+                   help="redis://host:6379/0 (or memory://) [$ENVSERVE_DIRECTORY]")
+    p.add_argument("--replica", action="append", default=[], metavar="HOST:PORT", help="a fixed replica (repeatable)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
+    p.add_argument("--port", type=_port, default=default_port, help="HTTP port (0: any free port)")
+    p.add_argument("--tls-ca", default="", help="CA certificate of replicas that serve TLS")
+    p.add_argument("--external", action="store_true", help="reach replicas at their external addresses")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per gRPC call")
+    p.add_argument("--tls-cert", default=os.environ.get("ENVSERVE_WEB_TLS_CERT", ""),
+                   help="serve HTTPS with this certificate (PEM) [$ENVSERVE_WEB_TLS_CERT]")
+    p.add_argument("--tls-key", default=os.environ.get("ENVSERVE_WEB_TLS_KEY", ""),
+                   help="the certificate's key (PEM) [$ENVSERVE_WEB_TLS_KEY]")
+    p.add_argument("--tls-client-ca", default=os.environ.get("ENVSERVE_WEB_TLS_CLIENT_CA", ""),
+                   help="require client certificates signed by this CA (mutual TLS) [$ENVSERVE_WEB_TLS_CLIENT_CA]")
 
 
 def _mcp_args(p: argparse.ArgumentParser, prefix: str) -> None:
@@ -941,51 +961,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "[$ENVSERVE_REDIS_IMAGE]")
     p.set_defaults(fn=cmd_up)
     p = sub.add_parser("web", help="HTTP/JSON facade and live sessions page over replicas")
-    p.add_argument("--directory", default=os.environ.get("ENVSERVE_DIRECTORY", ""),
-                   help="redis://host:6379/0 (or memory://) [$ENVSERVE_DIRECTORY]")
-    p.add_argument("--replica", action="append", default=[], metavar="HOST:PORT", help="a fixed replica (repeatable)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
-    p.add_argument("--port", type=_port, default=8080, help="HTTP port (0: any free port)")
-    p.add_argument("--tls-ca", default="", help="CA certificate of replicas that serve TLS")
-    p.add_argument("--external", action="store_true", help="reach replicas at their external addresses")
+    _front_args(p, 8080)
     p.add_argument("--monitor-token-file", default="",
                    help="the token that shows every session on the live page (a state token of the replicas): "
                         "/v1/live then needs a bearer token, and another token sees what the replicas show it "
                         "[$ENVSERVE_MONITOR_TOKEN]")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds per gRPC call")
     p.add_argument("--openenv-idle-seconds", type=float, default=300.0,
                    help="OpenEnv endpoint (/openenv/<env>/): close sessions opened over plain HTTP after this "
                         "many seconds without a call (WebSocket sessions close with their socket)")
-    p.add_argument("--tls-cert", default=os.environ.get("ENVSERVE_WEB_TLS_CERT", ""),
-                   help="serve HTTPS with this certificate (PEM) [$ENVSERVE_WEB_TLS_CERT]")
-    p.add_argument("--tls-key", default=os.environ.get("ENVSERVE_WEB_TLS_KEY", ""),
-                   help="the certificate's key (PEM) [$ENVSERVE_WEB_TLS_KEY]")
-    p.add_argument("--tls-client-ca", default=os.environ.get("ENVSERVE_WEB_TLS_CLIENT_CA", ""),
-                   help="require client certificates signed by this CA (mutual TLS) [$ENVSERVE_WEB_TLS_CLIENT_CA]")
     _http_args(p)
     p.set_defaults(fn=cmd_web)
     p = sub.add_parser("mcp", help="environments as MCP tools (streamable HTTP) over replicas")
-    p.add_argument("--directory", default=os.environ.get("ENVSERVE_DIRECTORY", ""),
-                   help="redis://host:6379/0 (or memory://) [$ENVSERVE_DIRECTORY]")
-    p.add_argument("--replica", action="append", default=[], metavar="HOST:PORT", help="a fixed replica (repeatable)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
-    p.add_argument("--port", type=_port, default=8090, help="HTTP port (0: any free port)")
-    p.add_argument("--tls-ca", default="", help="CA certificate of replicas that serve TLS")
-    p.add_argument("--external", action="store_true", help="reach replicas at their external addresses")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds per gRPC call")
+    _front_args(p, 8090)
     _mcp_args(p, "--")
-    p.add_argument("--tls-cert", default=os.environ.get("ENVSERVE_WEB_TLS_CERT", ""),
-                   help="serve HTTPS with this certificate (PEM) [$ENVSERVE_WEB_TLS_CERT]")
-    p.add_argument("--tls-key", default=os.environ.get("ENVSERVE_WEB_TLS_KEY", ""),
-                   help="the certificate's key (PEM) [$ENVSERVE_WEB_TLS_KEY]")
-    p.add_argument("--tls-client-ca", default=os.environ.get("ENVSERVE_WEB_TLS_CLIENT_CA", ""),
-                   help="require client certificates signed by this CA (mutual TLS) [$ENVSERVE_WEB_TLS_CLIENT_CA]")
-    from envserve.common.http import MAX_BODY_BYTES
-    p.add_argument("--max-body-bytes", type=_positive, default=MAX_BODY_BYTES,
-                   help="refuse request bodies larger than this (413), while they are read (default: %(default)s)")
-    p.add_argument("--allow-plain-http-tokens", action="store_true",
-                   help="accept bearer tokens over plain HTTP from other machines (TLS ended by a proxy in front); "
-                        "by default only over TLS or from this machine")
+    _http_args(p, openenv=False)
     p.set_defaults(fn=cmd_mcp)
     p = sub.add_parser("judge", help="score agents' grounding and world modelling against ground truth")
     env = os.environ.get
