@@ -108,6 +108,11 @@ def test_restore_takes_a_history_with_config_json(stubs):
     sid = _open(env, json.dumps({"dim_room": 7, "num_boxes": 1})).session_ids[0]
     fresh = env.Reset(pb.ResetRequest(items=[pb.ResetItem(session_id=sid, seed=4)]), timeout=30).results[0]
     assert restored.anchor == fresh.anchor
+    # The episode length a config_json sets bounds the history as the Struct's does.
+    long = pb.SessionHistory(env_id="sokoban", config_json='{"max_turns": 2}', seed=4,
+                             turns=[pb.ReplayTurn(action="<answer>Up</answer>")] * 3)
+    refused = env.Restore(pb.RestoreRequest(sessions=[long]), timeout=30).sessions[0]
+    assert refused.status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "at most 2" in refused.status.message
     bad = pb.SessionHistory(env_id="sokoban", config_json='{"bogus": 1}', seed=4)
     failed = env.Restore(pb.RestoreRequest(sessions=[bad]), timeout=30).sessions[0]
     assert not failed.session_id and failed.status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import time
@@ -1013,7 +1014,14 @@ def _step_item(it: pb.StepItem) -> tuple:
 def _most_turns(spec, h: pb.SessionHistory) -> int:
     """The most turns an episode of this history's session can have: its config's max_turns where
     it sets a number, else the highest the replica allows (the schema's maximum), else the env's."""
-    if h.HasField("config") and "max_turns" in h.config.fields:
+    if h.config_json:
+        try:   # a config that cannot be read is refused when the history is read, naming why
+            value = json.loads(h.config_json).get("max_turns")
+        except (ValueError, AttributeError, RecursionError):
+            value = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
+            return int(min(value, 2 ** 31))
+    elif h.HasField("config") and "max_turns" in h.config.fields:
         value = h.config.fields["max_turns"]
         if value.WhichOneof("kind") == "number_value" and value.number_value == value.number_value:
             return int(min(value.number_value, 2 ** 31))
