@@ -51,7 +51,7 @@ $(VENV)/.installed: pyproject.toml trainer/pyproject.toml | $(VENV)/.venv-ready
 	$(MAKE) --no-print-directory wheels
 	$(PIP) install -q $(TORCH)
 	$(INSTALL) --find-links $(WHEELHOUSE) \
-	  -e ".[grid,gym,reasoning_gym,textarena,scienceworld,alfworld,svg,navigation,maniskill,webshop,directory,web,containers,judge,datasets,trl,skyrl,gem,openenv,ors,mcp,docs,dev]"
+	  -e ".[grid,gym,reasoning_gym,textarena,scienceworld,alfworld,svg,navigation,maniskill,webshop,directory,ray,web,containers,judge,datasets,trl,skyrl,gem,openenv,ors,mcp,docs,dev]"
 	$(INSTALL) -e "trainer[hf,plot,openai]"
 	$(INSTALL) --no-deps $(PRETRAINED)
 	$(INSTALL) --no-deps --upgrade "$(PILLOW)"

@@ -514,6 +514,43 @@ def cmd_replicas(args) -> int:
     return 0 if found else 1
 
 
+def cmd_ray_up(args) -> int:
+    """A fleet of replicas as Ray actors on the cluster at --address, sized by load until
+    interrupted (SIGINT/SIGTERM drain it); clients anywhere in the cluster find it at ray://."""
+    import signal
+    import threading
+    try:
+        import ray
+    except ImportError:
+        print("envserve ray: needs ray (pip install 'envserve[ray]')", file=sys.stderr)
+        return 2
+    from envserve.ray import Fleet, FleetConfig
+    serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
+    config = FleetConfig(families=[f.strip() for f in args.families.split(",") if f.strip()],
+                         replicas_per_node=args.replicas_per_node, min_replicas=args.min_replicas,
+                         max_replicas=args.max_replicas, replica_cpus=args.replica_cpus,
+                         replica_gpus=args.replica_gpus, serve_args=serve_args, directory_url=args.directory,
+                         target_load=args.target_load, scale_down_after_seconds=args.scale_down_after)
+    ray.init(address=args.address, log_to_driver=args.replica_logs, configure_logging=False)
+    fleet = Fleet(config)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        for r in sorted(fleet.start(), key=lambda r: (r["family"], r["replica_id"])):
+            print(f"envserve ray: {r['family']} replica {r['replica_id']} at {r['address']} "
+                  f"on node {r['node_id'][:12]}", flush=True)
+        print(f"envserve ray: fleet up ({', '.join(f'{k}: {v}' for k, v in fleet.sizes().items())}); "
+              f"clients in the cluster use {fleet.config.directory_url}", flush=True)
+        if args.autoscale_seconds > 0:
+            fleet.run_autoscaler(args.autoscale_seconds)
+        stop.wait()
+    finally:
+        print("envserve ray: draining the fleet", flush=True)
+        fleet.shutdown()
+    return 0
+
+
 def cmd_play(args) -> int:
     """A person plays one episode in the terminal, against a server or an embedded one."""
     from envserve.client import EnvClient
@@ -1037,6 +1074,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="redis://host:6379/0 [$ENVSERVE_DIRECTORY]")
     p.add_argument("--env", default="", help="only replicas serving this environment")
     p.set_defaults(fn=cmd_replicas)
+    p = sub.add_parser("ray", help="envserve on a Ray cluster")
+    ray_sub = p.add_subparsers(dest="ray_command", required=True)
+    t = ray_sub.add_parser("up", help="a fleet of replicas as Ray actors, sized by load, until interrupted",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    t.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"),
+                   help="the Ray cluster (its GCS address, ray://HOST:PORT, or auto) [$RAY_ADDRESS]")
+    t.add_argument("--families", default="grid",
+                   help="comma-separated families (grid, alfworld, scienceworld, svg, maniskill, navigation) or env ids")
+    t.add_argument("--replicas-per-node", type=_positive, default=1, help="replicas of each family per node at start")
+    t.add_argument("--min-replicas", type=int, default=0, help="per family (0: the start count)")
+    t.add_argument("--max-replicas", type=int, default=0, help="per family (0: the start count, a fixed size)")
+    t.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica")
+    t.add_argument("--replica-gpus", type=float, default=None,
+                   help="GPUs per replica (default: 1 for maniskill and navigation where the cluster has GPUs)")
+    t.add_argument("--target-load", type=float, default=0.5, help="live sessions per unit of capacity aimed at")
+    t.add_argument("--scale-down-after", type=_seconds, default=60.0,
+                   help="seconds a family's load must ask for fewer replicas before one is drained")
+    t.add_argument("--autoscale-seconds", type=_seconds, default=5.0, help="how often the load is read (0: fixed size)")
+    t.add_argument("--directory", default="ray://", help="ray:// or ray://?name=N&namespace=S (several fleets)")
+    t.add_argument("--replica-logs", action="store_true", help="print the replicas' output here")
+    t.add_argument("serve_args", nargs=argparse.REMAINDER,
+                   help="after --: more `envserve serve` arguments for every replica, e.g. -- --workers 2")
+    t.set_defaults(fn=cmd_ray_up)
     p = sub.add_parser("play", help="play an environment in the terminal")
     p.add_argument("env", help="the environment id (see `envserve ls`)")
     p.add_argument("--seed", type=int, default=0, help="the reset seed")

@@ -19,10 +19,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-# Which image serves an environment. Later families add their envs here.
-FAMILY_IMAGES = {"sokoban": "grid", "frozenlake": "grid", "minesweeper": "grid",
-                 "scienceworld": "scienceworld", "alfworld": "alfworld",
-                 "svg": "svg", "navigation": "navigation", "primitive_skill": "maniskill"}
+from .families import FAMILY_OF_ENV as FAMILY_IMAGES  # which image serves an environment
+
 LABEL = "envserve.stack"
 DEFAULT_REDIS_IMAGE = "redis:7-alpine"
 

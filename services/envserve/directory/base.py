@@ -25,6 +25,10 @@ class ReplicaInfo:
     started_unix: float = field(default_factory=time.time)
     heartbeat_unix: float = 0.0
     counted_unix: float = 0.0  # when live_sessions was counted (0: at listing time, e.g. probed)
+    # The most sessions one Open may ask of it (--max-open-per-call) and items one batch may carry
+    # (--max-batch-items): clients split larger ones by them. 0: unknown (a replica older than these).
+    max_open_per_call: int = 0
+    max_batch_items: int = 0
 
     @property
     def load(self) -> float:
@@ -126,7 +130,8 @@ class Directory(ABC):
 
 def open_directory(url: str) -> Directory:
     """`memory://` (or empty): in this process. `redis://host:port/db` (or rediss://): Redis.
-    A `prefix` query parameter namespaces the keys (several stacks on one Redis)."""
+    A `prefix` query parameter namespaces the keys (several stacks on one Redis). `ray://`: an
+    actor on the Ray cluster this process belongs to (ray_directory.py)."""
     if not url or url.startswith("memory:"):
         from .memory import shared_memory_directory
         name = url.split("://", 1)[1] if "://" in url else ""
@@ -134,4 +139,7 @@ def open_directory(url: str) -> Directory:
     if url.startswith(("redis://", "rediss://", "unix://")):
         from .redis_directory import RedisDirectory
         return RedisDirectory.from_url(url)
-    raise ValueError(f"unknown directory URL {url!r}: use memory:// or redis://host:port/db")
+    if url.startswith("ray://"):
+        from .ray_directory import RayDirectory
+        return RayDirectory.from_url(url)
+    raise ValueError(f"unknown directory URL {url!r}: use memory://, redis://host:port/db or ray://")
