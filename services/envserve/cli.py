@@ -85,7 +85,7 @@ def _http_args(p: argparse.ArgumentParser, openenv: bool = True) -> None:
 def _front_args(p: argparse.ArgumentParser, default_port: int) -> None:
     """Where an HTTP front over replicas (envserve web, mcp) finds them, and how it serves."""
     p.add_argument("--directory", default=os.environ.get("ENVSERVE_DIRECTORY", ""),
-                   help="redis://host:6379/0 (or memory://) [$ENVSERVE_DIRECTORY]")
+                   help="redis://host:6379/0, ray:// (or memory://) [$ENVSERVE_DIRECTORY]")
     p.add_argument("--replica", action="append", default=[], metavar="HOST:PORT", help="a fixed replica (repeatable)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
     p.add_argument("--port", type=_port, default=default_port, help="HTTP port (0: any free port)")
@@ -189,7 +189,7 @@ def _server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     # Containers and pods set these through the environment.
     env = os.environ.get
     p.add_argument("--directory", default=env("ENVSERVE_DIRECTORY", "memory://"),
-                   help="memory:// (this process) or redis://host:6379/0 [$ENVSERVE_DIRECTORY]")
+                   help="memory:// (this process), redis://host:6379/0 or ray:// (a Ray cluster) [$ENVSERVE_DIRECTORY]")
     p.add_argument("--advertise", default=env("ENVSERVE_ADVERTISE", ""),
                    help="host:port other services reach this replica on [$ENVSERVE_ADVERTISE]")
     p.add_argument("--external-address", default=env("ENVSERVE_EXTERNAL_ADDRESS", ""),
