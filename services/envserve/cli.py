@@ -526,18 +526,31 @@ def cmd_ray_up(args) -> int:
         return 2
     from envserve.ray import Fleet, FleetConfig
     serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
-    config = FleetConfig(families=[f.strip() for f in args.families.split(",") if f.strip()],
-                         replicas_per_node=args.replicas_per_node, min_replicas=args.min_replicas,
-                         max_replicas=args.max_replicas, replica_cpus=args.replica_cpus,
-                         replica_gpus=args.replica_gpus, serve_args=serve_args, directory_url=args.directory,
-                         target_load=args.target_load, scale_down_after_seconds=args.scale_down_after)
-    ray.init(address=args.address, log_to_driver=args.replica_logs, configure_logging=False)
+    try:
+        config = FleetConfig(families=[f.strip() for f in args.families.split(",") if f.strip()],
+                             replicas_per_node=args.replicas_per_node, min_replicas=args.min_replicas,
+                             max_replicas=args.max_replicas, replica_cpus=args.replica_cpus,
+                             replica_gpus=args.replica_gpus, serve_args=serve_args, directory_url=args.directory,
+                             target_load=args.target_load, scale_down_after_seconds=args.scale_down_after)
+    except ValueError as e:
+        print(f"envserve ray: {e}", file=sys.stderr)
+        return 2
+    try:
+        ray.init(address=args.address, log_to_driver=args.replica_logs, configure_logging=False)
+    except ConnectionError as e:
+        print(f"envserve ray: no Ray cluster at {args.address}: {e}", file=sys.stderr)
+        return 1
     fleet = Fleet(config)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        for r in sorted(fleet.start(), key=lambda r: (r["family"], r["replica_id"])):
+        try:
+            started = fleet.start()
+        except ray.exceptions.RayError as e:  # a replica that cannot start (an env not installed there)
+            print(f"envserve ray: the fleet did not start: {e}", file=sys.stderr)
+            return 1
+        for r in sorted(started, key=lambda r: (r["family"], r["replica_id"])):
             print(f"envserve ray: {r['family']} replica {r['replica_id']} at {r['address']} "
                   f"on node {r['node_id'][:12]}", flush=True)
         print(f"envserve ray: fleet up ({', '.join(f'{k}: {v}' for k, v in fleet.sizes().items())}); "

@@ -278,3 +278,14 @@ def test_envserve_ray_up_serves_a_fleet_until_interrupted(cluster):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_replica_that_cannot_start_fails_the_fleet_start_with_its_reason(cluster):
+    fleet = Fleet(FleetConfig(families=["no-such-env"], replicas=1, directory_url="ray://?name=t-bad"))
+    try:
+        with pytest.raises(ray.exceptions.RayError, match="did not start: exited with 2"):
+            fleet.start()
+    finally:
+        fleet.shutdown()
+    with pytest.raises(ValueError, match="target_load"):
+        FleetConfig(target_load=0)

@@ -20,6 +20,7 @@ autoscaler (`request_resources`), which adds nodes where a cluster autoscaler ru
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -55,6 +56,16 @@ class FleetConfig:
     max_restarts: int = -1                 # Ray's restarts of a replica actor (-1: always)
     request_resources: bool = True         # tell Ray's autoscaler the fleet's size
 
+    def __post_init__(self) -> None:
+        if not 0 < self.target_load <= 1:
+            raise ValueError(f"target_load must be in (0, 1], got {self.target_load}")
+        if self.replicas_per_node < 1 or self.replicas < 0 or self.min_replicas < 0 or self.max_replicas < 0:
+            raise ValueError("replica counts must be >= 0 (replicas_per_node >= 1)")
+        if self.max_replicas and self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas {self.min_replicas} > max_replicas {self.max_replicas}")
+        if not self.families:
+            raise ValueError("a fleet needs at least one family")
+
 
 @dataclass
 class _Family:
@@ -77,12 +88,13 @@ class Fleet:
     them (a trainer's driver, `envserve ray up`): they end with it."""
 
     def __init__(self, config: FleetConfig | None = None, address: str = ""):
-        self.config = config or FleetConfig()
+        config = config or FleetConfig()
         connect(address)
-        if not self.config.directory_url.startswith("ray://") or urlsplit(self.config.directory_url).netloc:
+        url = urlsplit(config.directory_url)
+        if url.scheme != "ray" or url.netloc:
             # Replicas join the cluster from inside; a Ray Client address is for callers outside.
-            query = urlsplit(self.config.directory_url).query
-            self.config.directory_url = f"ray://?{query}" if query else "ray://"
+            config = dataclasses.replace(config, directory_url=f"ray://?{url.query}" if url.query else "ray://")
+        self.config = config
         self.directory = open_directory(self.config.directory_url)
         self._lock = threading.RLock()
         self._families: dict[str, _Family] = {}
@@ -148,10 +160,13 @@ class Fleet:
         with self._lock:
             return {name: len(f.actors) for name, f in self._families.items()}
 
+    def _serving(self, family: str) -> list:
+        prefix = self._families[family].prefix
+        return [r for r in self.directory.replicas() if r.replica_id.startswith(prefix) and not r.draining]
+
     def load(self, family: str) -> tuple[int, int]:
         """(live sessions, capacity) of the family's serving replicas, as the directory lists them."""
-        fam = self._families[family]
-        listed = [r for r in self.directory.replicas() if r.replica_id.startswith(fam.prefix) and not r.draining]
+        listed = self._serving(family)
         return sum(r.live_sessions for r in listed), sum(r.capacity for r in listed)
 
     # -- sizing ------------------------------------------------------------------------------------
@@ -190,16 +205,16 @@ class Fleet:
         log.info("fleet: %s drained (%s)", info["replica_id"], fam.name)
 
     def target(self, family: str) -> int:
-        """The size the family's live sessions ask for, within its bounds."""
+        """The size the family's live sessions ask for, within its bounds: enough replicas of the
+        listed ones' mean capacity for the live sessions to fill target_load of it."""
         fam = self._families[family]
-        live, capacity = self.load(family)
-        listed = max(1, self._listed_count(fam))
-        per_replica = capacity / listed if capacity else 0
-        need = math.ceil(live / (per_replica * self.config.target_load)) if per_replica else len(fam.actors)
+        listed = self._serving(family)
+        if not listed:
+            return len(fam.actors)
+        live = sum(r.live_sessions for r in listed)
+        per_replica = sum(r.capacity for r in listed) / len(listed)
+        need = math.ceil(live / (per_replica * self.config.target_load)) if per_replica > 0 else len(fam.actors)
         return min(max(need, fam.min_replicas), fam.max_replicas)
-
-    def _listed_count(self, fam: _Family) -> int:
-        return sum(1 for r in self.directory.replicas() if r.replica_id.startswith(fam.prefix) and not r.draining)
 
     def autoscale_once(self) -> dict[str, int]:
         """One look at each family's load: grow at once where it asks for more replicas, shrink
