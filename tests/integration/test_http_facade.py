@@ -188,6 +188,19 @@ def test_errors_of_whole_calls(http, replica_a):
     error(http.get("/v1/no-such-route"), 404, "NOT_FOUND")
 
 
+def test_open_over_http_says_the_replicas_cap(http):
+    """An HTTP Open goes to one replica, as a gRPC Open: more than its --max-open-per-call is a 400
+    naming the cap, and every reply says the cap, so an HTTP client knows how to split."""
+    resp = http.post("/v1/sessions", json={"envId": "sokoban", "count": 5000})
+    assert resp.status_code == 400, resp.text
+    body = resp.json()
+    assert body["code"] == "INVALID_ARGUMENT" and "1..4096" in body["message"], body
+    assert "--max-open-per-call" in body["message"]
+    opened = ok(http.post("/v1/sessions", json={"envId": "sokoban", "count": 2}))
+    assert opened["maxOpenPerCall"] == 4096 and opened["maxBatchItems"] == 4096
+    ok(http.post("/v1/close", json={"sessionIds": opened["sessionIds"]}))
+
+
 def test_open_goes_to_the_least_loaded_replica(http, replica_a, replica_b):
     def total(r):
         with grpc.insecure_channel(r.address) as ch:

@@ -83,7 +83,9 @@ class AddressDirectory(Directory):
                 continue
             found.append(ReplicaInfo(replica_id=resp.replica_id, address=address, envs=envs,
                                      capacity=resp.capacity, live_sessions=resp.live_sessions,
-                                     draining=resp.draining, tls=self._tls))
+                                     draining=resp.draining, tls=self._tls,
+                                     max_open_per_call=resp.max_open_per_call,
+                                     max_batch_items=resp.max_batch_items))
         if refused and len(refused) == len(futures):
             # Every replica refused the credentials: a configuration error, said now, not a wait.
             raise from_rpc_error(refused[0])

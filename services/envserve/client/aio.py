@@ -11,18 +11,26 @@ from envserve.v1 import envserve_pb2 as pb
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
 
 from envserve.common.headers import ON_BEHALF
+from envserve.common.tables import sessions_per_table
 
 from . import _requests as rq
 from . import seats
+from .call_limits import ReplicaLimits, merged_open, parts
 from .client import auth_metadata, make_channel
 from .errors import EnvServeError, env_error, from_rpc_error, from_unary_error
 
 
 class AsyncEnvClient:
+    """The asyncio twin of EnvClient, with the same arguments; Open takes any count and a batch any
+    number of items, as there (several calls in turn where the replica takes fewer in one)."""
+
     def __init__(self, address: str, timeout: float | None = 60.0, token: str | None = None,
                  state_token: str | None = None, root_certificates: "bytes | str | None" = None,
-                 tls: bool = False, state_readers: Sequence[str] = (), stats_scope: str = ""):
+                 tls: bool = False, state_readers: Sequence[str] = (), stats_scope: str = "",
+                 max_open_per_call: int = 0):
         self.address = address
+        self.max_open_per_call = max_open_per_call
+        self.limits = ReplicaLimits()
         self.state_readers = tuple(state_readers)  # see EnvClient
         self.stats_scope = stats_scope
         self.timeout = timeout
@@ -38,6 +46,33 @@ class AsyncEnvClient:
         except grpc.RpcError as e:
             raise from_unary_error(e) from None
 
+    async def _learned_smaller(self, kind: str, sent: int) -> bool:
+        """As EnvClient's: after INVALID_ARGUMENT for `sent`, whether the replica's limit, asked now, is smaller."""
+        if sent <= 1 or not self.limits.unsaid(kind):
+            return False
+        try:
+            self.limits.note(await self._call(self.env.ListEnvs, pb.ListEnvsRequest()))
+        except EnvServeError:
+            return False
+        return self.limits.refused_as_too_many(kind, sent)
+
+    async def _batched(self, method, items: list, build, field: str = "results") -> list:
+        """A batch call's `field`, in item order, sent in parts of at most the replica's max_batch_items."""
+        out: list = []
+        start = 0
+        while True:
+            part = items[start:start + self.limits.batch_size()]
+            try:
+                reply = await self._call(method, build(part))
+            except EnvServeError as e:
+                if e.code == grpc.StatusCode.INVALID_ARGUMENT and await self._learned_smaller("batch", len(part)):
+                    continue
+                raise
+            out.extend(getattr(reply, field))
+            start += len(part)
+            if start >= len(items):
+                return out
+
     async def open(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
                    action_format: str = "") -> list[str]:
         return (await self.open_with_prompt(env_id, count, config, action_format))[0]
@@ -50,17 +85,45 @@ class AsyncEnvClient:
 
     async def open_sessions(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
                             action_format: str = "") -> pb.OpenResponse:
-        """Open, returning the whole reply: ids, lease, the sessions' system prompt, the replica's load."""
+        """Open, returning the whole reply: ids, lease, the sessions' system prompt, the replica's load.
+        All or none, as EnvClient.open_sessions: a count split over several Opens that fails part
+        way (or is cancelled) closes what it opened."""
+        replies: list[pb.OpenResponse] = []
+        opened = 0
+        unit = sessions_per_table(config)
         try:
-            r = await self._call(self.env.Open, rq.open_request(env_id, count, config, action_format,
-                                                                self.state_readers, self.stats_scope))
-        except EnvServeError as e:
-            raise env_error(e) from None
+            while not replies or opened < count:
+                size = self.limits.open_size(self.max_open_per_call, unit)
+                n = count - opened if count - opened <= size else size
+                try:
+                    r = await self._call(self.env.Open, rq.open_request(env_id, n, config, action_format,
+                                                                        self.state_readers, self.stats_scope))
+                except EnvServeError as e:
+                    if e.code == grpc.StatusCode.INVALID_ARGUMENT and await self._learned_smaller("open", n):
+                        continue
+                    raise env_error(e) from None
+                self.limits.note(r)
+                replies.append(r)
+                opened += len(r.session_ids)
+        except BaseException:
+            await self._discard([sid for r in replies for sid in r.session_ids])
+            raise
+        r = merged_open(replies)
         seats.note_opened(r.session_ids, config)
         return r
 
+    async def _discard(self, session_ids: list[str]) -> None:
+        """Close the sessions of an Open that failed part way (their leases reclaim them if this fails too)."""
+        if session_ids:
+            try:
+                await self.close_sessions(session_ids)
+            except (EnvServeError, asyncio.CancelledError):
+                pass
+
     async def list_envs(self) -> list[pb.EnvSpec]:
-        return list((await self._call(self.env.ListEnvs, pb.ListEnvsRequest())).envs)
+        reply = await self._call(self.env.ListEnvs, pb.ListEnvsRequest())
+        self.limits.note(reply)
+        return list(reply.envs)
 
     async def get_spec(self, env_id: str) -> pb.EnvSpec:
         try:
@@ -85,22 +148,38 @@ class AsyncEnvClient:
 
     async def reset(self, session_ids: Sequence[str], seeds=None, task_id: str = "", split: str = "",
                     same_task: bool = False) -> list[pb.StepResult]:
-        req = rq.reset_request(session_ids, seeds, task_id, split, same_task)
-        return list((await self._call(self.env.Reset, req)).results)
+        items = list(rq.reset_request(session_ids, seeds, task_id, split, same_task).items)
+        return await self._batched(self.env.Reset, items, lambda part: pb.ResetRequest(items=part))
 
     async def step(self, actions) -> list[pb.StepResult]:
-        return list((await self._call(self.env.Step, rq.step_request(actions))).results)
+        items = list(rq.step_request(actions).items)
+        return await self._batched(self.env.Step, items, lambda part: pb.StepRequest(items=part))
 
     async def fork(self, session_id: str, count: int = 1) -> list[str]:
         return list((await self._call(self.env.Fork, pb.ForkRequest(session_id=session_id, count=count))).session_ids)
 
     async def close_sessions(self, session_ids: Sequence[str]) -> list[pb.ItemStatus]:
         seats.note_closed(session_ids)
-        return list((await self._call(self.env.CloseSessions, pb.CloseRequest(session_ids=list(session_ids)))).statuses)
+        return await self._batched(self.env.CloseSessions, list(session_ids),
+                                   lambda part: pb.CloseRequest(session_ids=part), "statuses")
 
     async def restore(self, histories: Sequence[pb.SessionHistory]) -> pb.RestoreResponse:
-        """Rebuild sessions here from their histories (one RestoredSession per history, in order)."""
-        return await self._call(self.env.Restore, pb.RestoreRequest(sessions=list(histories)))
+        """Rebuild sessions here from their histories (one RestoredSession per history, in order).
+        More than the replica rebuilds in one call (its max_open_per_call) go in several; when one of
+        them fails, the sessions the others rebuilt are closed and its error raised."""
+        histories = list(histories)
+        size = self.limits.open_size()
+        if len(histories) <= size:
+            return await self._call(self.env.Restore, pb.RestoreRequest(sessions=histories))
+        replies: list[pb.RestoreResponse] = []
+        try:
+            for part in parts(histories, size):
+                replies.append(await self._call(self.env.Restore, pb.RestoreRequest(sessions=part)))
+        except BaseException:
+            await self._discard([s.session_id for r in replies for s in r.sessions if s.session_id])
+            raise
+        return pb.RestoreResponse(sessions=[s for r in replies for s in r.sessions],
+                                  lease_seconds=min(r.lease_seconds for r in replies))
 
     async def get_state(self, session_id: str, turn: int = -1, episode: int | None = None,
                         trial: int | None = None, on_behalf_of: str | None = None) -> pb.GetStateResponse:
@@ -110,7 +189,7 @@ class AsyncEnvClient:
         return await self._call(self.state.ReadState, rq.get_state_request(session_id, turn, episode, trial), md)
 
     def stream(self) -> "InteractStream":
-        return InteractStream(self.env, self.metadata)
+        return InteractStream(self.env, self.metadata, self.limits)
 
     async def step_as_completed(self, actions: "Mapping[str, str] | Iterable[tuple[str, str]]"
                                 ) -> AsyncIterator[pb.StepResult]:
@@ -149,11 +228,14 @@ class InteractStream:
     one in progress, a lone caller writes its item and reads its result itself, with no hand-off
     to either task (a one-session step is then a bare write and read on the call). gRPC cancels
     the call when a task awaiting one of its reads or writes is cancelled; a lone caller
-    cancelled there loses only its own item, and the next send opens a new call."""
+    cancelled there loses only its own item, and the next send opens a new call. A message
+    carries at most the replica's max_batch_items (limits: as its client heard them); more sent
+    together go in several."""
 
-    def __init__(self, stub: pb_grpc.EnvServiceStub, metadata: tuple = ()):
+    def __init__(self, stub: pb_grpc.EnvServiceStub, metadata: tuple = (), limits: "ReplicaLimits | None" = None):
         self._stub = stub
         self._metadata = metadata
+        self._limits = limits or ReplicaLimits()
         self._call = None
         self._reopen = False       # a lone caller was cancelled mid-call: gRPC cancelled the call
         self._pending: list[pb.InteractItem] = []
@@ -239,7 +321,8 @@ class InteractStream:
                 if self._alone is not None:
                     await asyncio.shield(self._alone)  # the lone caller's read and write come first
                     continue
-                items, self._pending = self._pending, []
+                size = self._limits.batch_size()
+                items, self._pending = self._pending[:size], self._pending[size:]
                 self.messages_sent += 1
                 await self._live_call().write(pb.InteractRequest(items=items))
         except (grpc.RpcError, asyncio.InvalidStateError):

@@ -126,16 +126,19 @@ class AsyncRoutedClient(Router):
                     self.settle(rid, claims[rid][1], 0)
                 else:
                     self.settle(rid, claims[rid][1], len(reply.session_ids), reply)
+            refused: BaseException | None = None
             for rid, reply in zip(rids, replies):
                 if isinstance(reply, EnvServeError) and reply.code in _RETRY_ELSEWHERE:
                     last_error = reply
                     tried.add(rid)
                 elif isinstance(reply, BaseException):
-                    await self.close_sessions(opened)
-                    raise reply
+                    refused = refused or reply
                 else:
                     opened.extend(reply.session_ids)
                     prompt = reply.system_prompt
+            if refused is not None:
+                await self.close_sessions(opened)  # every replica's that opened, all or nothing
+                raise refused
         if len(opened) < count:
             await self.close_sessions(opened)
             raise last_error or UnavailableError(
@@ -215,7 +218,7 @@ class AsyncRoutedClient(Router):
         server's status), so routing and recovery treat them alike."""
         s = self._streams.get(c)
         if s is None:
-            s = self._streams[c] = await InteractStream(c.env, c.metadata).__aenter__()
+            s = self._streams[c] = await InteractStream(c.env, c.metadata, c.limits).__aenter__()
         exchange = s.exchange(items[0]) if len(items) == 1 else asyncio.gather(*[s.exchange(it) for it in items])
         timeout = self.client_kw["timeout"]
         try:
@@ -381,7 +384,7 @@ class RoutedStream:
         s = self._streams.get(r.replica_id)
         if s is None:
             c = self._client.client_for(r)
-            s = self._streams[r.replica_id] = await InteractStream(c.env, c.metadata).__aenter__()
+            s = self._streams[r.replica_id] = await InteractStream(c.env, c.metadata, c.limits).__aenter__()
             self._pending[s] = {}
             self._readers[s] = asyncio.get_running_loop().create_task(self._read(r, s))
         return s

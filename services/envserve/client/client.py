@@ -10,8 +10,11 @@ import grpc
 from envserve.v1 import envserve_pb2 as pb
 from envserve.v1 import envserve_pb2_grpc as pb_grpc
 
+from envserve.common.tables import sessions_per_table
+
 from . import _requests as rq
 from . import seats
+from .call_limits import ReplicaLimits, merged_open, parts
 from .errors import EnvServeError, check, env_error, from_rpc_error, from_unary_error
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -64,13 +67,20 @@ class EnvClient(ChannelOwner):
     where the replica requires one. state_readers: names of the replica's state tokens (a judge's)
     that may read the ground truth of the sessions this client opens. stats_scope: a name (a training
     run's) under which the replica records these sessions' finished episodes (task_stats).
-    root_certificates (PEM bytes or path) or tls=True: TLS."""
+    root_certificates (PEM bytes or path) or tls=True: TLS.
+
+    Open takes any count and a batch any number of items: what the replica takes in one call (its
+    max_open_per_call and max_batch_items, which it says in its replies) goes in several calls, one
+    after another. max_open_per_call: the most sessions this client asks for in one Open (0: as many
+    as the replica takes)."""
 
     def __init__(self, address: str, timeout: float | None = 60.0, channel: grpc.Channel | None = None,
                  token: str | None = None, state_token: str | None = None,
                  root_certificates: "bytes | str | None" = None, tls: bool = False, state_readers: Sequence[str] = (),
-                 stats_scope: str = ""):
+                 stats_scope: str = "", max_open_per_call: int = 0):
         self.address = address
+        self.max_open_per_call = max_open_per_call
+        self.limits = ReplicaLimits()
         self.state_readers = tuple(state_readers)
         self.stats_scope = stats_scope
         self.timeout = timeout
@@ -87,7 +97,37 @@ class EnvClient(ChannelOwner):
             raise from_unary_error(e) from None
 
     def list_envs(self) -> list[pb.EnvSpec]:
-        return list(self._call(self.env.ListEnvs, pb.ListEnvsRequest()).envs)
+        reply = self._call(self.env.ListEnvs, pb.ListEnvsRequest())
+        self.limits.note(reply)
+        return list(reply.envs)
+
+    def _learned_smaller(self, kind: str, sent: int) -> bool:
+        """After INVALID_ARGUMENT for a call of `sent` sessions or items: whether the replica, asked its
+        limits now because it had not said them, takes fewer than that, so the call may go again in parts."""
+        if sent <= 1 or not self.limits.unsaid(kind):
+            return False
+        try:
+            self.limits.note(self._call(self.env.ListEnvs, pb.ListEnvsRequest()))
+        except EnvServeError:
+            return False
+        return self.limits.refused_as_too_many(kind, sent)
+
+    def _batched(self, method, items: list, build, field: str = "results") -> list:
+        """A batch call's `field`, in item order, sent in parts of at most the replica's max_batch_items."""
+        out: list = []
+        start = 0
+        while True:
+            part = items[start:start + self.limits.batch_size()]
+            try:
+                reply = self._call(method, build(part))
+            except EnvServeError as e:
+                if e.code == grpc.StatusCode.INVALID_ARGUMENT and self._learned_smaller("batch", len(part)):
+                    continue
+                raise
+            out.extend(getattr(reply, field))
+            start += len(part)
+            if start >= len(items):
+                return out
 
     def get_spec(self, env_id: str) -> pb.EnvSpec:
         try:
@@ -118,22 +158,50 @@ class EnvClient(ChannelOwner):
 
     def open_sessions(self, env_id: str, count: int = 1, config: Mapping[str, Any] | None = None,
                       action_format: str = "") -> pb.OpenResponse:
-        """Open, returning the whole reply: ids, lease and the sessions' system prompt."""
+        """Open, returning the whole reply: ids, lease and the sessions' system prompt. All or none:
+        when a count larger than one Open takes fails part way, the sessions it opened are closed
+        and the failure raised."""
+        replies: list[pb.OpenResponse] = []
+        opened = 0
+        unit = sessions_per_table(config)
         try:
-            r = self._call(self.env.Open, rq.open_request(env_id, count, config, action_format, self.state_readers,
-                                                                self.stats_scope))
-        except EnvServeError as e:
-            raise env_error(e) from None
+            while not replies or opened < count:
+                size = self.limits.open_size(self.max_open_per_call, unit)
+                n = count - opened if count - opened <= size else size
+                try:
+                    r = self._call(self.env.Open, rq.open_request(env_id, n, config, action_format,
+                                                                  self.state_readers, self.stats_scope))
+                except EnvServeError as e:
+                    if e.code == grpc.StatusCode.INVALID_ARGUMENT and self._learned_smaller("open", n):
+                        continue
+                    raise env_error(e) from None
+                self.limits.note(r)
+                replies.append(r)
+                opened += len(r.session_ids)
+        except BaseException:
+            self._discard([sid for r in replies for sid in r.session_ids])
+            raise
+        r = merged_open(replies)
         seats.note_opened(r.session_ids, config)
         return r
 
+    def _discard(self, session_ids: list[str]) -> None:
+        """Close the sessions of an Open that failed part way; if the replica cannot be reached
+        either, their leases reclaim them."""
+        if session_ids:
+            try:
+                self.close_sessions(session_ids)
+            except EnvServeError:
+                pass
+
     def reset(self, session_ids: Sequence[str], seeds: "int | Sequence[int | None] | None" = None,
               task_id: str = "", split: str = "", same_task: bool = False) -> list[pb.StepResult]:
-        req = rq.reset_request(session_ids, seeds, task_id, split, same_task)
-        return list(self._call(self.env.Reset, req).results)
+        items = list(rq.reset_request(session_ids, seeds, task_id, split, same_task).items)
+        return self._batched(self.env.Reset, items, lambda part: pb.ResetRequest(items=part))
 
     def step(self, actions: "Mapping[str, str] | Iterable[tuple]") -> list[pb.StepResult]:
-        return list(self._call(self.env.Step, rq.step_request(actions)).results)
+        items = list(rq.step_request(actions).items)
+        return self._batched(self.env.Step, items, lambda part: pb.StepRequest(items=part))
 
     def reset_one(self, session_id: str, seed: int | None = None, **kw) -> pb.StepResult:
         return check(self.reset([session_id], [seed], **kw)[0])
@@ -146,11 +214,26 @@ class EnvClient(ChannelOwner):
 
     def close_sessions(self, session_ids: Sequence[str]) -> list[pb.ItemStatus]:
         seats.note_closed(session_ids)
-        return list(self._call(self.env.CloseSessions, pb.CloseRequest(session_ids=list(session_ids))).statuses)
+        return self._batched(self.env.CloseSessions, list(session_ids), lambda part: pb.CloseRequest(session_ids=part),
+                             "statuses")
 
     def restore(self, histories: Sequence[pb.SessionHistory]) -> pb.RestoreResponse:
-        """Rebuild sessions here from their histories (one RestoredSession per history, in order)."""
-        return self._call(self.env.Restore, pb.RestoreRequest(sessions=list(histories)))
+        """Rebuild sessions here from their histories (one RestoredSession per history, in order).
+        More than the replica rebuilds in one call (its max_open_per_call) go in several; when one of
+        them fails, the sessions the others rebuilt are closed and its error raised."""
+        histories = list(histories)
+        size = self.limits.open_size()
+        if len(histories) <= size:
+            return self._call(self.env.Restore, pb.RestoreRequest(sessions=histories))
+        replies: list[pb.RestoreResponse] = []
+        try:
+            for part in parts(histories, size):
+                replies.append(self._call(self.env.Restore, pb.RestoreRequest(sessions=part)))
+        except BaseException:
+            self._discard([s.session_id for r in replies for s in r.sessions if s.session_id])
+            raise
+        return pb.RestoreResponse(sessions=[s for r in replies for s in r.sessions],
+                                  lease_seconds=min(r.lease_seconds for r in replies))
 
     def get_state(self, session_id: str, turn: int = -1, episode: int | None = None,
                   trial: int | None = None) -> pb.GetStateResponse:

@@ -27,6 +27,7 @@ from envserve.v1 import envserve_pb2 as pb
 from . import _requests as rq
 from . import seats
 from .addresses import directory_for
+from .call_limits import parts
 from .client import EnvClient
 from .errors import EnvNotFoundError, EnvServeError, UnavailableError, from_unary_error, make_error
 from .recovery import RecoverySettings, SessionTable, lost_result, replica_gone
@@ -86,13 +87,15 @@ class Router:
     (killed, drained, replaced under a new id): its connections are closed, so a long run over
     replicas that come and go holds connections to the live ones only. The same holds for an
     address: a replica restarted under its id elsewhere (a new port, a new pod IP) leaves its old
-    address's connection behind, closed once that address has been unlisted for as long."""
+    address's connection behind, closed once that address has been unlisted for as long.
+    max_open_per_call: the most sessions one Open asks of a replica (0: as many as it takes, which
+    its heartbeat or replies say); a replica's share of a larger count goes in several Opens."""
 
     client_class = EnvClient
 
     def __init__(self, directory: "Directory | str | Sequence[str]", token: str | None = None, state_token: str | None = None,
                  root_certificates: "bytes | str | None" = None, tls: bool = False, use_external: bool = False,
-                 timeout: float | None = 60.0, refresh_seconds: float = 1.0, max_open_per_call: int = 4096,
+                 timeout: float | None = 60.0, refresh_seconds: float = 1.0, max_open_per_call: int = 0,
                  retire_after_seconds: float = 120.0,
                  recovery: "RecoverySettings | bool" = True, state_readers: Sequence[str] = (),
                  stats_scope: str = ""):
@@ -101,7 +104,8 @@ class Router:
         self.state_readers = tuple(state_readers)
         self.stats_scope = stats_scope
         self.client_kw = dict(token=token, state_token=state_token, root_certificates=root_certificates,
-                              tls=tls, timeout=timeout, state_readers=self.state_readers, stats_scope=stats_scope)
+                              tls=tls, timeout=timeout, state_readers=self.state_readers, stats_scope=stats_scope,
+                              max_open_per_call=max_open_per_call)
         self.use_external = use_external
         self.refresh_seconds = refresh_seconds
         self.max_open_per_call = max_open_per_call
@@ -219,12 +223,14 @@ class Router:
         return r.live_sessions + self._opened_since_count(r.replica_id)
 
     def client_for(self, r: ReplicaInfo):
+        """The replica's client, knowing its limits per call as listed (its heartbeat)."""
         key = (r.replica_id, self.address(r))
         with self._lock:
             c = self._clients.get(key)
             if c is None:
                 c = self._clients[key] = self.client_class(key[1], **self.client_kw)
-            return c
+        c.limits.note(r)
+        return c
 
     def blocking_client(self, r: ReplicaInfo) -> EnvClient:
         """A blocking EnvClient for a replica (the async client's recovery runs in a thread)."""
@@ -235,7 +241,8 @@ class Router:
             c = self._blocking.get(key)
             if c is None:
                 c = self._blocking[key] = EnvClient(key[1], **self.client_kw)
-            return c
+        c.limits.note(r)
+        return c
 
     def _replica_for(self, session_id: str) -> ReplicaInfo | None:
         """Where a session's replica is: as listed now, else as last listed. A replica missing from
@@ -488,7 +495,6 @@ class RoutedClient(Router):
         unit = sessions_per_table(config)
         if unit > 1 and count_problem(count):
             raise make_error(grpc.StatusCode.INVALID_ARGUMENT, count_problem(count))
-        per_call = self.max_open_per_call - self.max_open_per_call % unit
         self.check_served(env_id)
         deadline = self.open_deadline()
         while remaining > 0:
@@ -501,25 +507,29 @@ class RoutedClient(Router):
                 tried.clear()
                 continue
             calls, got, replies = [], {rid: 0 for rid in claims}, {}
+            refused: EnvServeError | None = None
             for rid, (n, _) in claims.items():
-                r = self._known[rid]
-                stub = self.client_for(r)
+                stub = self.client_for(self._known[rid])
+                # Each replica's share in Opens it takes (its limit, within this client's own).
+                per_call = stub.limits.open_size(self.max_open_per_call, unit)
                 for start in range(0, n, per_call):
                     k = min(per_call, n - start)
                     req = rq.open_request(env_id, k, config, action_format, self.state_readers, self.stats_scope)
-                    calls.append((rid, k, stub.env.Open.future(req, timeout=stub.timeout, metadata=stub.metadata)))
+                    calls.append((stub, rid, stub.env.Open.future(req, timeout=stub.timeout, metadata=stub.metadata)))
             try:
-                for rid, k, fut in calls:
+                for stub, rid, fut in calls:
                     try:
                         resp = fut.result()
                     except grpc.RpcError as e:
                         err = from_unary_error(e)
                         if err.code not in _RETRY_ELSEWHERE:
-                            self.close_sessions(opened)  # all or nothing, as one replica's Open is
-                            raise err from None
+                            # The calls still running are waited for, so what they open is closed too.
+                            refused = refused or err
+                            continue
                         last_error = err
                         tried.add(rid)
                         continue
+                    stub.limits.note(resp)
                     opened.extend(resp.session_ids)
                     remaining -= len(resp.session_ids)
                     lease = min(lease, resp.lease_seconds) if lease else resp.lease_seconds
@@ -530,6 +540,9 @@ class RoutedClient(Router):
             finally:
                 for rid, (_, entry) in claims.items():
                     self.settle(rid, entry, got[rid], replies.get(rid))
+            if refused is not None:
+                self.close_sessions(opened)  # all or nothing, as one replica's Open is
+                raise refused
         if remaining > 0:
             self.close_sessions(opened)
             if last_error is not None:
@@ -555,9 +568,10 @@ class RoutedClient(Router):
                     results[i] = self._lost(sid_of(items[i]), rid)
                 continue
             c = self.client_for(r)
-            fut = getattr(c.env, method).future(build([items[i] for i in indices]), timeout=c.timeout,
-                                                metadata=c.metadata)
-            calls.append((r, indices, fut))
+            for part in parts(indices, c.limits.batch_size()):  # what the replica takes in one call
+                fut = getattr(c.env, method).future(build([items[i] for i in part]), timeout=c.timeout,
+                                                    metadata=c.metadata)
+                calls.append((r, part, fut))
         for r, indices, fut in calls:
             try:
                 batch = getattr(fut.result(), field)

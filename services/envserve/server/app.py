@@ -145,7 +145,8 @@ class ReplicaServer:
             capacity=self.config.max_sessions, live_sessions=len(self.replica.sessions),
             draining=self.replica.draining, tls=bool(self.config.tls_cert_file),
             http_address=f"{metrics_host}:{self.metrics_port}" if self.metrics_port else "",
-            started_unix=self.started_unix, counted_unix=time.time())
+            started_unix=self.started_unix, counted_unix=time.time(),
+            max_open_per_call=self.config.max_open_per_call, max_batch_items=self.config.max_batch_items)
 
     async def _beat(self) -> bool:
         try:

@@ -415,7 +415,8 @@ class Replica:
         count = count or 1
         if count < 0 or count > self.config.max_open_per_call:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"count must be 1..{self.config.max_open_per_call}, got {count}")
+                          f"count must be 1..{self.config.max_open_per_call} (--max-open-per-call), got {count}: "
+                          f"split the Open into calls of at most {self.config.max_open_per_call}")
         try:
             resolve_config(full_spec(spec), config)
         except ValueError as e:
@@ -583,7 +584,9 @@ class EnvService(pb_grpc.EnvServiceServicer):
         await caller(context, self.r.auth.env_owner)
         return pb.ListEnvsResponse(envs=[convert.spec_to_proto(s) for s in self.r.specs.values()],
                                    replica_id=self.r.replica_id, live_sessions=len(self.r.sessions),
-                                   capacity=self.r.config.max_sessions, draining=self.r.draining)
+                                   capacity=self.r.config.max_sessions, draining=self.r.draining,
+                                   max_open_per_call=self.r.config.max_open_per_call,
+                                   max_batch_items=self.r.config.max_batch_items)
 
     async def served_spec(self, env_id: str, context):
         """The spec of an env this replica serves; NOT_FOUND for another."""
@@ -642,7 +645,9 @@ class EnvService(pb_grpc.EnvServiceServicer):
         except Refused as e:
             await context.abort(e.code, e.message)
         return pb.OpenResponse(session_ids=ids, lease_seconds=self.r.config.lease_seconds, system_prompt=prompt,
-                               live_sessions=len(self.r.sessions), counted_unix=time.time())
+                               live_sessions=len(self.r.sessions), counted_unix=time.time(),
+                               max_open_per_call=self.r.config.max_open_per_call,
+                               max_batch_items=self.r.config.max_batch_items)
 
     async def Reset(self, request, context):
         return await self._batch(request.items, _reset_item, context)

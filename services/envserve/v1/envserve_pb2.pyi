@@ -62,18 +62,22 @@ class ListEnvsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListEnvsResponse(_message.Message):
-    __slots__ = ("envs", "replica_id", "live_sessions", "capacity", "draining")
+    __slots__ = ("envs", "replica_id", "live_sessions", "capacity", "draining", "max_open_per_call", "max_batch_items")
     ENVS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     LIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    MAX_OPEN_PER_CALL_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_ITEMS_FIELD_NUMBER: _ClassVar[int]
     envs: _containers.RepeatedCompositeFieldContainer[EnvSpec]
     replica_id: str
     live_sessions: int
     capacity: int
     draining: bool
-    def __init__(self, envs: _Optional[_Iterable[_Union[EnvSpec, _Mapping]]] = ..., replica_id: _Optional[str] = ..., live_sessions: _Optional[int] = ..., capacity: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    max_open_per_call: int
+    max_batch_items: int
+    def __init__(self, envs: _Optional[_Iterable[_Union[EnvSpec, _Mapping]]] = ..., replica_id: _Optional[str] = ..., live_sessions: _Optional[int] = ..., capacity: _Optional[int] = ..., draining: _Optional[bool] = ..., max_open_per_call: _Optional[int] = ..., max_batch_items: _Optional[int] = ...) -> None: ...
 
 class GetSpecRequest(_message.Message):
     __slots__ = ("env_id",)
@@ -172,18 +176,22 @@ class OpenRequest(_message.Message):
     def __init__(self, env_id: _Optional[str] = ..., count: _Optional[int] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., action_format: _Optional[str] = ..., state_readers: _Optional[_Iterable[str]] = ..., stats_scope: _Optional[str] = ..., config_json: _Optional[str] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
-    __slots__ = ("session_ids", "lease_seconds", "system_prompt", "live_sessions", "counted_unix")
+    __slots__ = ("session_ids", "lease_seconds", "system_prompt", "live_sessions", "counted_unix", "max_open_per_call", "max_batch_items")
     SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
     LIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     COUNTED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    MAX_OPEN_PER_CALL_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_ITEMS_FIELD_NUMBER: _ClassVar[int]
     session_ids: _containers.RepeatedScalarFieldContainer[str]
     lease_seconds: float
     system_prompt: str
     live_sessions: int
     counted_unix: float
-    def __init__(self, session_ids: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ..., system_prompt: _Optional[str] = ..., live_sessions: _Optional[int] = ..., counted_unix: _Optional[float] = ...) -> None: ...
+    max_open_per_call: int
+    max_batch_items: int
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ..., system_prompt: _Optional[str] = ..., live_sessions: _Optional[int] = ..., counted_unix: _Optional[float] = ..., max_open_per_call: _Optional[int] = ..., max_batch_items: _Optional[int] = ...) -> None: ...
 
 class ResetItem(_message.Message):
     __slots__ = ("session_id", "seed", "task_id", "split", "same_task")

@@ -115,7 +115,8 @@ class ReplicaTable:
             return None
         self.probe_errors.pop(address, None)
         return ReplicaInfo(replica_id=resp.replica_id, address=address, envs=[s.env_id for s in resp.envs],
-                           capacity=0, live_sessions=-1, tls=self.fixed_tls)
+                           capacity=0, live_sessions=-1, tls=self.fixed_tls,
+                           max_open_per_call=resp.max_open_per_call, max_batch_items=resp.max_batch_items)
 
     @property
     def fixed_tls(self) -> bool:
