@@ -172,6 +172,9 @@ def test_routed_clients_split_each_replicas_share_by_its_cap(two_small_replicas)
         async with AsyncRoutedClient(addresses) as c:
             ids = await c.open(ENV, 1800)
             assert len(set(ids)) == 1800
+            # 900 a replica, in batches of the 300 it takes.
+            assert all(r.status.code == 0 for r in await c.reset(ids))
+            assert all(r.status.code == 0 and r.turn == 1 for r in await c.step([(sid, MOVE) for sid in ids]))
             assert [st.code for st in await c.close_sessions(ids)] == [0] * 1800
     asyncio.run(run())
     assert (live(a.address), live(b.address)) == (0, 0)

@@ -183,15 +183,15 @@ class AsyncRoutedClient(Router):
                     same_task: bool = False) -> list[pb.StepResult]:
         items = list(rq.reset_request(session_ids, seeds, task_id, split, same_task).items)
 
-        async def call(c: AsyncEnvClient, its):
-            return list((await c._call(c.env.Reset, pb.ResetRequest(items=its))).results)
+        async def call(c: AsyncEnvClient, its):  # in calls the replica takes (its max_batch_items)
+            return await c._batched(c.env.Reset, its, lambda part: pb.ResetRequest(items=part))
         return await self._items(items, self._over_stream if self.stream_steps else call, step=False)
 
     async def step(self, actions: "Mapping[str, str] | Iterable[tuple]") -> list[pb.StepResult]:
         items = list(rq.step_request(actions).items)
 
         async def call(c: AsyncEnvClient, its):
-            return list((await c._call(c.env.Step, pb.StepRequest(items=its))).results)
+            return await c._batched(c.env.Step, its, lambda part: pb.StepRequest(items=part))
         return await self._items(items, self._over_stream if self.stream_steps else call, step=True)
 
     async def step_one(self, session_id: str, action: str) -> pb.StepResult:
