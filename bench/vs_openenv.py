@@ -145,10 +145,7 @@ def pushbox_distribution(folder: Path) -> str:
 
 # -- OpenEnv's server (runs in OpenEnv's venv) ------------------------------------------------------
 def serve_openenv(max_envs: int) -> None:
-    import socket
-
-    import uvicorn
-    from openenv.core.env_server import Action, Environment, Observation, State, create_app
+    from openenv.core.env_server import Action, Environment, Observation, State
 
     class PushAction(Action):
         direction: str
@@ -178,9 +175,19 @@ def serve_openenv(max_envs: int) -> None:
         def state(self):
             return self._state
 
+    serve_openenv_app(PushBoxEnvironment, PushAction, PushObservation, "pushbox", max_envs)
+
+
+def serve_openenv_app(env_class, action_class, observation_class, env_name: str, max_envs: int) -> None:
+    """Serves an openenv Environment as OpenEnv's env template does, on a free loopback port it prints."""
+    import socket
+
+    import uvicorn
+    from openenv.core.env_server import create_app
+
     # As OpenEnv's env template builds its app; max_envs 0 keeps the template's own setting (1).
     kwargs = {"max_concurrent_envs": max_envs} if max_envs else {}
-    app = create_app(PushBoxEnvironment, PushAction, PushObservation, env_name="pushbox", **kwargs)
+    app = create_app(env_class, action_class, observation_class, env_name=env_name, **kwargs)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     print(f"openenv server on http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
@@ -272,15 +279,20 @@ async def closed_loop(rec: Recorder, n: int, step, reset, seconds: float, warmup
         rec.errors["no answer within 30 s"] += len(stuck)
 
 
-async def drive_openenv(url: str, n: int, seconds: float, warmup: float, null: bool = False) -> dict:
+async def openenv_connect(url: str, **kw):
+    """A WebSocket to an OpenEnv server with OpenEnv EnvClient's connection settings (env_client.py
+    defaults); kw goes to the connection (a local address, say)."""
     from websockets.asyncio.client import connect
+    return await connect(url.replace("http://", "ws://") + "/ws", open_timeout=10.0, max_size=100 * 2 ** 20,
+                         ping_interval=20.0, ping_timeout=20.0, proxy=None, **kw)
+
+
+async def drive_openenv(url: str, n: int, seconds: float, warmup: float, null: bool = False) -> dict:
     rec = Recorder()
 
     async def open_one():
         try:
-            # OpenEnv EnvClient's connection settings (env_client.py defaults).
-            ws = await connect(url.replace("http://", "ws://") + "/ws", open_timeout=10.0,
-                               max_size=100 * 2 ** 20, ping_interval=20.0, ping_timeout=20.0, proxy=None)
+            ws = await openenv_connect(url)
         except Exception as e:  # noqa: BLE001
             rec.errors[error_kind("connect", e)] += 1
             return None
@@ -466,9 +478,13 @@ def openenv_python(venv: Path) -> tuple[str, str]:
 
 
 class OpenEnvServer:
-    def __init__(self, python: str, max_envs: int, log: Path):
+    """An OpenEnv server in a child process, its log in a file. serve: the script and arguments that
+    serve it (default: this file's PushBox, max_envs sessions); it prints "openenv server on URL"."""
+
+    def __init__(self, python: str, max_envs: int, log: Path, serve: "list[str] | None" = None):
         self.log = open(log, "w")
-        self.proc = subprocess.Popen([python, "-u", __file__, "--serve-openenv", "--max-envs", str(max_envs)],
+        serve = serve or [__file__, "--serve-openenv", "--max-envs", str(max_envs)]
+        self.proc = subprocess.Popen([python, "-u", *serve],
                                      stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=dict(os.environ, ENABLE_WEB_INTERFACE="false"))
         line = self.proc.stdout.readline()
