@@ -3,8 +3,10 @@ specs, a session wrapper whose steps never raise, the text a step reads as, and 
 lists.
 
 Only `envserve.client` is used. A target is where sessions live: one replica's address, several
-(a list, or a string joined by commas), or a directory URL (`redis://host:6379/0`); sessions
-spread over the replicas, least loaded first, and a session whose replica died or drained is
+(a list, or a string joined by commas), or a directory URL (`redis://host:6379/0`, `ray://`);
+where an adapter is given none, ENVSERVE_ADDRESS, else, in a process of a Ray cluster (a driver
+after `ray.init()`, a Ray task or actor), `ray://`: the directory of the fleet `envserve.ray` runs
+there (`resolve_target`). Sessions spread over the replicas, least loaded first, and a session whose replica died or drained is
 rebuilt on a live one by replaying its history (RoutedClient's recovery), the caller none the
 wiser. Every adapter in the process shares one StreamingClient per target (a trainer makes an
 environment object per rollout): its steps travel as items on one Interact stream per replica,
@@ -16,7 +18,9 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import os
 import re
+import sys
 import threading
 import weakref
 from typing import Any, Mapping, Sequence
@@ -58,11 +62,43 @@ def target_key(target: "str | Sequence[str]") -> "str | tuple[str, ...]":
     return addresses
 
 
+# Where envserve's fleet on a Ray cluster registers its replicas (envserve.ray, `envserve ray up`).
+RAY_DIRECTORY = "ray://"
+
+
+def in_ray_cluster() -> bool:
+    """Whether this process belongs to a Ray cluster: a driver that ran `ray.init()`, or a Ray task or
+    actor. Ray is not imported to find out: a process that never imported it has not joined one."""
+    ray = sys.modules.get("ray")
+    is_initialized = getattr(ray, "is_initialized", None)
+    try:
+        return bool(is_initialized and is_initialized())
+    except Exception:  # a half-torn-down Ray at exit: not a cluster to use
+        return False
+
+
+def resolve_target(target: "str | Sequence[str] | None", what: str = "envserve") -> "str | tuple[str, ...]":
+    """Where an adapter's sessions live: `target` where given (as target_key reads it), else the
+    ENVSERVE_ADDRESS variable, else `ray://` when this process is in a Ray cluster (the fleet's
+    directory). With none of them, a ValueError that says so, naming `what` (the adapter's setting)."""
+    if target is not None and not (isinstance(target, str) and not target.strip()):
+        return target_key(target)
+    from_env = os.environ.get("ENVSERVE_ADDRESS", "").strip()
+    if from_env:
+        return target_key(from_env)
+    if in_ray_cluster():
+        return RAY_DIRECTORY
+    raise ValueError(f"{what} needs an address: one replica's (host:port), several, or a directory URL "
+                     f"(redis://..., ray://); none was given, ENVSERVE_ADDRESS is not set and this process "
+                     f"is not in a Ray cluster (where ray:// is the default)")
+
+
 # -- clients and specs -----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Endpoint:
     """Where sessions live and how to reach them; hashable, so equal endpoints share a client.
-    address: one address, a tuple of them, or a directory URL. stream: steps as items of the
+    address: one address, a tuple of them, or a directory URL; None (or "") is resolve_target's
+    (ENVSERVE_ADDRESS, else `ray://` inside a Ray cluster). stream: steps as items of the
     replicas' Interact streams (False: a unary Step each). recovery: rebuild a lost session on a
     live replica (True), not (False), or RecoverySettings. stats_scope: the run's name its sessions'
     finished episodes are counted under (GetTaskStats; empty: not counted)."""
@@ -76,7 +112,7 @@ class Endpoint:
     stats_scope: str = ""
 
     def __post_init__(self):
-        object.__setattr__(self, "address", target_key(self.address))
+        object.__setattr__(self, "address", resolve_target(self.address))
 
     @property
     def where(self) -> str:

@@ -50,7 +50,8 @@ class EnvServeEnv(Env):
     first observation starts with the env's rules and answer format.
 
     address: one replica's address, several (a list, or a string joined by commas) or a directory
-    URL (`redis://host:6379/0`): sessions go to the least-loaded replica. stream: steps travel on
+    URL (`redis://host:6379/0`; None: ENVSERVE_ADDRESS, else `ray://` in a process of a Ray cluster):
+    sessions go to the least-loaded replica. stream: steps travel on
     the replicas' Interact streams (False: a unary Step each). recovery: a session whose replica
     died or drained is rebuilt on a live one and the step answered as if nothing happened (False:
     the episode ends with the error; or RecoverySettings)."""

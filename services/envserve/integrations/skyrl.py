@@ -12,15 +12,19 @@ thread pool, many trajectories at once.
 
     from envserve.integrations.skyrl import register
     register("127.0.0.1:50051", ["sokoban", "frozenlake"])    # env classes envserve-sokoban, envserve-frozenlake
+    register(None, ["sokoban"])       # in a Ray task, no address: the cluster's fleet (ray://)
     # dataset rows: {"prompt": [...], "env_class": "envserve-sokoban", "seed": 3}
     env = skyrl_gym.make("envserve-sokoban", env_config={}, extras={"seed": 3, "max_turns": 30})
 
 Settings (address, env_id, config, action_format, token, timeout, include_rules, tls,
 root_certificates, stream, recovery) come from `register(...)` and can be overridden by the env_config SkyRL passes.
 `address` is one replica's address, several (a list, or a string joined by commas) or a directory
-URL (`redis://host:6379/0`): each env's session goes to the least-loaded replica, and a session whose
-replica died or drained is rebuilt on a live one by replaying its history (`recovery=False`: the
-episode ends instead). Steps travel on one Interact stream per replica and process (`stream=False`:
+URL (`redis://host:6379/0`, `ray://`). Left out (None), it is ENVSERVE_ADDRESS, else, in a process of
+a Ray cluster, `ray://`: the replicas of an `envserve.ray` fleet on that cluster. It is resolved
+where each env is made, so `register()` with no address in skyrl-train's entrypoint (a Ray task,
+where custom envs are registered and made) reaches the fleet from every env. Each env's session goes
+to the least-loaded replica, and a session whose replica died or drained is rebuilt on a live one by
+replaying its history (`recovery=False`: the episode ends instead). Steps travel on one Interact stream per replica and process (`stream=False`:
 a unary Step each). `extras` (the row) gives the episode: `seed`, `task_id` or `split`, at its top level or under
 `extra_info`; `max_turns` there (SkyRL's generator always sets it) ends the episode after that many
 steps, on top of the env's own limit. The session is opened when the env is made (a bad config or
@@ -39,7 +43,7 @@ from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 from envserve.client import RecoverySettings
 from envserve.client.experts import plain_answer
 
-from ._common import Endpoint, Outcome, Session, first_text, plain_dict, row_reset_args, step_info
+from ._common import Endpoint, Outcome, Session, first_text, plain_dict, resolve_target, row_reset_args, step_info
 
 ENTRY_POINT = "envserve.integrations.skyrl:EnvServeTextEnv"
 _SETTINGS = ("address", "env_id", "config", "action_format", "token", "timeout", "include_rules",
@@ -50,7 +54,8 @@ class EnvServeTextEnv(BaseTextEnv):
     """One envserve session as a SkyRL text env (see the module's docstring for the contract).
 
     env_config and extras are SkyRL's; the keyword arguments are the defaults `register` stores, which
-    env_config overrides. Required in the end: address and env_id."""
+    env_config overrides. Required in the end: env_id, and an address unless ENVSERVE_ADDRESS or a
+    Ray cluster gives one (see the module's docstring)."""
 
     def __init__(self, env_config: Any = None, extras: Mapping[str, Any] | None = None, **defaults: Any):
         super().__init__()
@@ -60,12 +65,12 @@ class EnvServeTextEnv(BaseTextEnv):
         cfg = {**defaults, **{k: v for k, v in plain_dict(env_config, "env_config").items()
                               if k in _SETTINGS}}
         self.extras = plain_dict(extras, "extras")
-        for key in ("address", "env_id"):
-            if not cfg.get(key):
-                raise ValueError(f"envserve's SkyRL env needs {key!r} (from register(...) or env_config)")
+        if not cfg.get("env_id"):
+            raise ValueError("envserve's SkyRL env needs 'env_id' (from register(...) or env_config)")
+        address = resolve_target(cfg.get("address"), "envserve's SkyRL env (`address` from register(...) or env_config)")
         action_format = str(cfg.get("action_format") or "no_think")
         plain_answer(action_format, ["x"])  # an unknown format is a ValueError here
-        endpoint = Endpoint(cfg["address"], cfg.get("token"), cfg.get("timeout", 60.0),
+        endpoint = Endpoint(address, cfg.get("token"), cfg.get("timeout", 60.0),
                             cfg.get("root_certificates"), bool(cfg.get("tls", False)), bool(cfg.get("stream", True)),
                             cfg.get("recovery", True))
         self.env_id = str(cfg["env_id"])
@@ -138,7 +143,7 @@ def env_class_name(env_id: str, prefix: str = "envserve-") -> str:
     return prefix + re.sub(r"[^A-Za-z0-9_.-]+", "-", env_id)
 
 
-def register(address: "str | Sequence[str]", env_ids: "str | Sequence[str] | None" = None, *, prefix: str = "envserve-",
+def register(address: "str | Sequence[str] | None" = None, env_ids: "str | Sequence[str] | None" = None, *, prefix: str = "envserve-",
              config: Mapping[str, Any] | None = None, action_format: str = "no_think", token: str | None = None,
              timeout: float | None = 60.0, include_rules: bool = True, tls: bool = False,
              root_certificates: "str | None" = None, stream: bool = True,
@@ -147,13 +152,15 @@ def register(address: "str | Sequence[str]", env_ids: "str | Sequence[str] | Non
     None), so `skyrl_gym.make("envserve-sokoban", env_config=..., extras=...)` and dataset rows with
     that env_class work. The settings given here are the defaults; SkyRL's env_config overrides them.
     Registering an id again with the same settings does nothing; with other settings it replaces
-    them. Returns the ids."""
+    them. An address of None is stored as such and resolved where each env is made (ENVSERVE_ADDRESS,
+    else `ray://` inside a Ray cluster); here it is resolved to check the envs. Returns the ids."""
     import skyrl_gym
     from skyrl_gym.envs.registration import deregister, registry
 
     if isinstance(env_ids, str):
         env_ids = [env_ids]
-    endpoint = Endpoint(address, token, timeout, root_certificates, tls, stream, recovery)
+    endpoint = Endpoint(resolve_target(address, "envserve's SkyRL register(address)"), token, timeout,
+                        root_certificates, tls, stream, recovery)
     if env_ids is None:
         env_ids = [spec.env_id for spec in endpoint.client().list_envs()]
     ids = []

@@ -62,7 +62,8 @@ def environment_factory(address: "str | Sequence[str]", env_id: str, config: Map
     """A class for `GRPOTrainer(environment_factory=...)` whose instances are sessions of `env_id`.
 
     address: one replica's address, several (a list, or a string joined by commas) or a directory
-    URL (`redis://host:6379/0`): each instance's session goes to the least-loaded replica. stream:
+    URL (`redis://host:6379/0`; None: ENVSERVE_ADDRESS, else `ray://` in a process of a Ray cluster):
+    each instance's session goes to the least-loaded replica. stream:
     tool calls travel as items of one Interact stream per replica and process (False: a unary Step
     each; the same results). recovery: a session whose replica died or drained is rebuilt on a
     live one by replaying its history and the tool answers as if nothing happened (False: the

@@ -25,7 +25,10 @@ recovery, stats_scope), then the
 dataset row (columns, or keys of its `extra_info`): env_id, env_config, action_format, seed, task_id,
 split. The address may also come from the ENVSERVE_ADDRESS variable, the stats scope (the run's name
 its finished episodes are counted under, GetTaskStats) from ENVSERVE_STATS_SCOPE. It is one replica's address,
-several (a list, or a string joined by commas) or a directory URL (`redis://host:6379/0`): sessions go
+several (a list, or a string joined by commas) or a directory URL (`redis://host:6379/0`, `ray://`).
+With neither, inside a Ray cluster (verl's AgentLoopWorker is a Ray actor) it is `ray://`: the
+replicas of an `envserve.ray` fleet on that cluster, started by the trainer's driver
+(`Fleet(...).start()` after `ray.init()`) or by `envserve ray up`. Sessions go
 to the least-loaded replica, and a session whose replica died or drained is rebuilt on a live one by
 replaying its history (`recovery: false` ends the episode instead). Steps travel on one Interact stream
 per replica and event loop, shared by the loop's rollouts (`stream: false`: a unary Step each).
@@ -76,7 +79,7 @@ from envserve.client.recovery import SessionTable
 from envserve.client.experts import plain_answer, session_settings
 
 from ._common import (Endpoint, action_choices, content_blocks, error_text, feedback_and_observation, is_cell_space, pil_images,
-                      step_text, target_key)
+                      resolve_target, step_text, target_key)
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +121,7 @@ def _plain(value: Any) -> Any:
 
 @dataclass
 class EpisodeSettings:
-    address: str
+    address: "str | tuple[str, ...]"
     env_id: str
     env_config: dict = field(default_factory=dict)
     action_format: str = ""
@@ -144,7 +147,8 @@ class EnvServeAgentLoop(AgentLoopBase):
         # `tools` (verl's tool list) and `name` (the registry entry's) are verl's; this loop has no tools.
         kwargs.pop("name", None)
         super().__init__(*args, **kwargs)
-        self.defaults = dict(address=address or os.environ.get("ENVSERVE_ADDRESS", ""), env_id=env_id or "",
+        # Resolved per episode (resolve_target): the row may not need it, and ENVSERVE_ADDRESS or Ray decide then.
+        self.defaults = dict(address=address, env_id=env_id or "",
                              env_config=dict(_plain(env_config) or {}), action_format=action_format or "",
                              max_turns=int(max_turns or 0), token=token, timeout=timeout, stream=stream,
                              recovery=recovery,
@@ -160,12 +164,13 @@ class EnvServeAgentLoop(AgentLoopBase):
             for key in ("env_id", "env_config", "action_format", "max_turns", "seed", "task_id", "split"):
                 if key in source and source[key] is not None:
                     s[key] = _plain(source[key])
-        if not s["address"] or not s["env_id"]:
-            raise ValueError("EnvServeAgentLoop needs an address and an env_id: set them in the agent loop's "
-                             "config entry (or ENVSERVE_ADDRESS) or in the dataset row")
+        if not s["env_id"]:
+            raise ValueError("EnvServeAgentLoop needs an env_id: set it in the agent loop's config entry or in "
+                             "the dataset row")
+        address = resolve_target(s["address"], "EnvServeAgentLoop (`address` in its agent-loop entry)")
         seed = s.get("seed")
         return EpisodeSettings(
-            address=s["address"], env_id=str(s["env_id"]), env_config=dict(s.get("env_config") or {}),
+            address=address, env_id=str(s["env_id"]), env_config=dict(s.get("env_config") or {}),
             action_format=str(s.get("action_format") or ""), max_turns=int(s.get("max_turns") or 0),
             seed=None if seed is None or seed == "" else int(seed), task_id=str(s.get("task_id") or ""),
             split=str(s.get("split") or ""), token=s.get("token"), timeout=s.get("timeout"),
@@ -308,10 +313,10 @@ class EnvServeTool(BaseTool):
 
     def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None = None):
         config = dict(_plain(config) or {})
-        self.address = config.get("address") or os.environ.get("ENVSERVE_ADDRESS", "")
         self.env_id = config.get("env_id", "")
-        if not self.address or not self.env_id:
-            raise ValueError("EnvServeTool's config needs address (or ENVSERVE_ADDRESS) and env_id")
+        if not self.env_id:
+            raise ValueError("EnvServeTool's config needs env_id")
+        self.address = resolve_target(config.get("address"), "EnvServeTool (`address` in its config)")
         self.env_config = dict(config.get("env_config") or {})
         self.token = config.get("token")
         self.timeout = config.get("timeout", 60.0)
@@ -493,19 +498,19 @@ class EnvServeTaskSampler(Sampler):
 
     Its settings are keys of `data.sampler` (`+data.sampler.stats_scope=run-7`): stats_scope
     (else ENVSERVE_STATS_SCOPE; the agent loop or tool must open its sessions under the same one),
-    address (else ENVSERVE_ADDRESS), token, floor (0.05), cost_power (0), cost (turns or tokens). The rows name their env and
-    task in extra_info (`envserve tasks export --format verl`); all of one env. The weights are read
-    again before each batch, so update(), which verl's curriculum samplers take after each step, has
-    nothing to add."""
+    address (else ENVSERVE_ADDRESS, else `ray://` inside a Ray cluster), token, floor (0.05),
+    cost_power (0), cost (turns or tokens). The rows name their env and task in extra_info
+    (`envserve tasks export --format verl`); all of one env. The weights are read again before each
+    batch, so update(), which verl's curriculum samplers take after each step, has nothing to add."""
 
     def __init__(self, data_source, data_config):
         from envserve.integrations.task_sampler import TaskSampler
         cfg = _plain(data_config.get("sampler")) or {}
-        address = cfg.get("address") or os.environ.get("ENVSERVE_ADDRESS", "")
+        address = resolve_target(cfg.get("address"), "EnvServeTaskSampler (data.sampler.address)")
         scope = str(cfg.get("stats_scope") or os.environ.get("ENVSERVE_STATS_SCOPE", ""))
-        if not address or not scope:
-            raise ValueError("EnvServeTaskSampler needs an address and a stats scope: data.sampler.address or "
-                             "ENVSERVE_ADDRESS, data.sampler.stats_scope or ENVSERVE_STATS_SCOPE")
+        if not scope:
+            raise ValueError("EnvServeTaskSampler needs a stats scope: data.sampler.stats_scope or "
+                             "ENVSERVE_STATS_SCOPE")
         # verl's RLHFDataset tokenizes in __getitem__: the task columns are read from its table.
         table = getattr(data_source, "dataframe", data_source)
         rows = [{"extra_info": _plain(r.get("extra_info")) or {}, **{k: _plain(r[k]) for k in ("seed", "task_id")
