@@ -22,8 +22,10 @@ import io
 import json
 import os
 import sys
+import time
 from types import SimpleNamespace
 from typing import Any
+from uuid import uuid4
 
 import grpc
 import pytest
@@ -52,6 +54,7 @@ from verl.protocol import DataProto  # noqa: E402
 from verl.workers.rollout.llm_server import LLMServerClient  # noqa: E402
 from verl.workers.rollout.replica import TokenOutput  # noqa: E402
 from verl.workers.rollout.router import GlobalRequestLoadBalancer  # noqa: E402
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 DIRECTIONS = ["Left", "Down", "Right", "Up"]
 
@@ -219,20 +222,24 @@ RESPONSE_LENGTH = 160
 EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "verl")
 
 
-def write_configs(directory, address: str, tool_options: dict | None = None,
+def write_configs(directory, address: str | None, tool_options: dict | None = None,
                   loop_options: dict | None = None) -> tuple[str, str]:
     """The two YAML files a verl user writes, as examples/verl/ has them, pointed at this test's
-    replica and FrozenLake (the test's grammars know its moves); the options are entries of their own."""
+    replica (address None: no address, as the examples have it) and FrozenLake (the test's grammars
+    know its moves); the options are entries of their own."""
     import yaml
     with open(os.path.join(EXAMPLE, "agent_loops.yaml")) as f:
         (loop,) = yaml.safe_load(f)
-    loop.update({"address": address, "env_id": "frozenlake", "action_format": "no_think", "max_turns": 6,
+    where = {"address": address} if address is not None else {}
+    assert "address" not in loop
+    loop.update({**where, "env_id": "frozenlake", "action_format": "no_think", "max_turns": 6,
                  "env_config": {"max_turns": 50}, **(loop_options or {})})
     with open(os.path.join(EXAMPLE, "tools.yaml")) as f:
         tool_file = yaml.safe_load(f)
     (tool,) = tool_file["tools"]
     assert tool["class_name"] == "envserve.integrations.verl.EnvServeTool"
-    tool["config"].update({"address": address, "env_id": "frozenlake", "per_trajectory": False, **(tool_options or {})})
+    assert "address" not in tool["config"]
+    tool["config"].update({**where, "env_id": "frozenlake", "per_trajectory": False, **(tool_options or {})})
     loops, tools = os.path.join(directory, "agent_loops.yaml"), os.path.join(directory, "tools.yaml")
     with open(loops, "w") as f:
         yaml.safe_dump([loop], f)
@@ -262,19 +269,31 @@ def trainer_config(model_dir: str, loops: str, tools: str, response_length: int 
 
 
 class Rollouts:
-    """verl's AgentLoopWorker (made in this process; in training it is a Ray actor) with verl's
-    LLMServerClient over its GlobalRequestLoadBalancer and one HFReplica."""
+    """verl's AgentLoopWorker with verl's LLMServerClient over its GlobalRequestLoadBalancer and one
+    HFReplica: made in this process, or with `as_actor` a Ray actor, as verl's AgentLoopManager
+    makes its workers in training."""
 
-    def __init__(self, model_dir: str, address: str, directory, serving, grammar=None,
+    def __init__(self, model_dir: str, address: str | None, directory, serving, grammar=None,
                  response_length: int = RESPONSE_LENGTH, fail_after: int | None = None,
-                 tool_options: dict | None = None, overrides: tuple = (), loop_options: dict | None = None):
+                 tool_options: dict | None = None, overrides: tuple = (), loop_options: dict | None = None,
+                 as_actor: bool = False, actor_env: dict | None = None):
         from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
         self.config = trainer_config(model_dir, *write_configs(directory, address, tool_options, loop_options),
                                      response_length=response_length, overrides=overrides)
         self.replica, balancer = serving
         ray.get(self.replica.configure.remote(response_length, grammar, fail_after))
-        self.worker = AgentLoopWorker(self.config, LLMServerClient(self.config, load_balancer_handle=balancer))
-        self.tokenizer = self.worker.tokenizer
+        llm_client = LLMServerClient(self.config, load_balancer_handle=balancer)
+        if as_actor:
+            # verl's AgentLoopManager._init_agent_loop_workers, for one worker on this node.
+            self.worker = ray.remote(AgentLoopWorker).options(
+                name=f"agent_loop_worker_0_{uuid4().hex[:8]}", runtime_env={"env_vars": actor_env or {}},
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(),
+                                                                   soft=True),
+            ).remote(self.config, llm_client, None, None)
+            self.tokenizer = _tokenizer(model_dir)
+        else:
+            self.worker = AgentLoopWorker(self.config, llm_client)
+            self.tokenizer = self.worker.tokenizer
 
     def run(self, rows: list[dict]) -> DataProto:
         """One batch through AgentLoopWorker.generate_sequences: the rows' columns are what a verl
@@ -284,7 +303,10 @@ class Rollouts:
             columns[key] = np.empty(len(rows), dtype=object)
             for i, row in enumerate(rows):
                 columns[key][i] = row.get(key, [] if key == "raw_prompt" else None)
-        return asyncio.run(self.worker.generate_sequences(DataProto(non_tensor_batch=columns, meta_info={})))
+        batch = DataProto(non_tensor_batch=columns, meta_info={})
+        if isinstance(self.worker, ray.actor.ActorHandle):
+            return ray.get(self.worker.generate_sequences.remote(batch))
+        return asyncio.run(self.worker.generate_sequences(batch))
 
     def history(self) -> list[dict]:
         return ray.get(self.replica.history.remote())
@@ -570,6 +592,49 @@ def test_a_lost_session_is_rebuilt_or_without_recovery_ends_its_rollout(grid_ser
     assert data.non_tensor_batch["envserve_error"][0].startswith("NOT_FOUND")
     assert out.num_turns == 2 and out.response_mask == [1] * len(out.response_ids)
     assert out.reward_score == 0.0 and out.extra_fields["turn_scores"] == []
+
+
+# -- on a Ray cluster: verl's worker as a Ray actor, envserve as a fleet ----------------------------
+def test_verls_worker_as_a_ray_actor_plays_on_a_fleet_found_with_no_address(model_dir, serving, tmp_path):
+    """verl's AgentLoopWorker made a Ray actor as verl's trainer makes it, from agent-loop and tool
+    entries with no address (and no ENVSERVE_ADDRESS): its episodes go through ray:// to an
+    envserve.ray Fleet of two grid replicas started here, as a trainer's driver starts one after
+    ray.init(). Each episode ran on a fleet replica and lines up with the model's calls and a replay
+    on a replica; every session is closed there."""
+    from envserve.directory import open_directory, replica_of
+    from envserve.ray import Fleet, FleetConfig
+    # Half a CPU per replica: the module's Ray has 2 CPUs, and the worker actor takes one.
+    fleet = Fleet(FleetConfig(families=["grid"], replicas=2, replica_cpus=0.5,
+                              serve_args=["--workers", "1", "--heartbeat-seconds", "0.5"]))
+    try:
+        replicas = {i["replica_id"]: i["address"] for i in fleet.start()}
+        directory = open_directory("ray://")
+        deadline = time.monotonic() + 60
+        while sorted(r.replica_id for r in directory.replicas("frozenlake")) != sorted(replicas):
+            assert time.monotonic() < deadline, "the fleet's replicas never listed in ray://"
+            time.sleep(0.2)
+        # The tool entry (loaded when the worker is made: GetSpec) has no address either.
+        r = Rollouts(model_dir, None, tmp_path, serving, grammar=one_answer(model_dir), as_actor=True,
+                     actor_env={"ENVSERVE_ADDRESS": ""})
+        rows = [{"seed": s} for s in range(4)] + [{"seed": s, "env_id": "sokoban"} for s in (1, 2)]
+        outs = unpad(r.run(rows))
+        pool = r.history()
+        sessions = {o.extra_fields["envserve_session"] for o in outs}
+        assert len(sessions) == len(rows) and {replica_of(sid) for sid in sessions} <= set(replicas)
+        replay_at = next(iter(replicas.values()))    # any replica: same seed, same episode
+        finished = 0
+        for out, row in zip(outs, rows):
+            results = check_episode(out, calls_for(out, pool), r.tokenizer, replay_at, row.get("env_id", "frozenlake"),
+                                    row["seed"], {"max_turns": 50})
+            assert all(x.action_valid for x in results) and 1 <= len(results) <= 6
+            finished += results[-1].done
+        assert not pool and finished >= 1
+        for address in replicas.values():
+            for env_id in ("frozenlake", "sokoban"):
+                assert not sessions & live_session_ids(address, env_id)
+        ray.kill(r.worker)
+    finally:
+        fleet.shutdown()
 
 
 # -- a vision-language model ---------------------------------------------------------------------
