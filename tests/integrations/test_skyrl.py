@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import gc
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -18,8 +20,10 @@ from omegaconf import DictConfig  # noqa: E402
 from skyrl_gym.envs.base_text_env import BaseTextEnv  # noqa: E402
 from skyrl_gym.metrics import aggregate_for_environment  # noqa: E402
 
+import adapter_support  # noqa: E402
 from adapter_support import ExpertPolicy, live_session_ids  # noqa: E402
-from envserve.client import EnvClient  # noqa: E402
+from envserve.client import EnvClient, RoutedClient  # noqa: E402
+from envserve.directory import open_directory, replica_of  # noqa: E402
 from envserve.integrations.skyrl import EnvServeTextEnv, register  # noqa: E402
 
 PROMPT = [{"role": "system", "content": "You are a careful player."},
@@ -75,15 +79,16 @@ def test_register_makes_skyrl_gym_env_classes(grid_server, env_classes):
     env.close()
 
 
-def test_a_bad_config_is_a_value_error_at_construction(grid_server, env_classes):
+def test_a_bad_config_is_a_value_error_at_construction(grid_server, env_classes, monkeypatch):
+    monkeypatch.delenv("ENVSERVE_ADDRESS", raising=False)
     with pytest.raises(ValueError, match="unknown config key 'bogus'"):
         skyrl_gym.make("envserve-sokoban", env_config=DictConfig({"config": {"bogus": 1}}), extras={})
     with pytest.raises(ValueError, match="max_turns: 'many' is not of type 'integer'"):
         skyrl_gym.make("envserve-sokoban", env_config={"config": {"max_turns": "many"}}, extras={})
     with pytest.raises(ValueError, match="unknown action format"):
         skyrl_gym.make("envserve-sokoban", env_config={"action_format": "shouting"}, extras={})
-    with pytest.raises(ValueError, match="address"):
-        EnvServeTextEnv(env_config={"env_id": "sokoban"})
+    with pytest.raises(ValueError, match="needs an address.*ENVSERVE_ADDRESS is not set.*not in a Ray cluster"):
+        EnvServeTextEnv(env_config={"env_id": "sokoban"})   # outside Ray, no ENVSERVE_ADDRESS (see fleet below)
     with pytest.raises(ValueError, match="not served"):
         EnvServeTextEnv(env_config={"env_id": "chess", "address": grid_server.address})
     with pytest.raises(ValueError, match="seed must be a whole number"):
@@ -233,3 +238,78 @@ def test_a_replica_killed_mid_episode_ends_the_episode_with_a_message(own_server
     assert out["metadata"]["error"].startswith("Error: the environment failed (DATA_LOSS")
     assert env.get_metrics()["turns"] == 2
     env.close()  # best effort, quick with the replica gone
+
+
+# -- in a Ray cluster, with no address ---------------------------------------------------------------
+@pytest.fixture
+def fleet():
+    """A Ray of its own (2 CPUs) and an envserve.ray Fleet of one grid replica in the `ray://`
+    directory, for one test. Ray is shut down after it, so no other test of this module or a later
+    one runs in a process that has joined a Ray cluster (where an env without an address goes to
+    ray://)."""
+    ray = pytest.importorskip("ray")
+    from envserve.ray import Fleet, FleetConfig
+    assert not ray.is_initialized(), "another test left Ray running"
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # The task below plays with this module's rollout and the tests' expert, which Ray's workers
+    # cannot import by name.
+    shipped = (sys.modules[__name__], adapter_support)
+    for module in shipped:
+        ray.cloudpickle.register_pickle_by_value(module)
+    try:
+        fleet = Fleet(FleetConfig(families=["grid"], replicas=1, serve_args=["--workers", "1", "--heartbeat-seconds", "0.5"]))
+        try:
+            (info,) = fleet.start()
+            directory = open_directory("ray://")
+            deadline = time.monotonic() + 60
+            while [r.replica_id for r in directory.replicas("sokoban")] != [info["replica_id"]]:
+                assert time.monotonic() < deadline, "the fleet's replica never listed in ray://"
+                time.sleep(0.2)
+            yield info
+        finally:
+            fleet.shutdown()
+    finally:
+        for module in shipped:
+            ray.cloudpickle.unregister_pickle_by_value(module)
+        ray.shutdown()
+
+
+def play_in_a_ray_task(seeds: list[int]) -> list[dict]:
+    """What skyrl-train's entrypoint task does with envserve's envs: register them, with no address,
+    and play a trajectory per row through skyrl_gym.make. Runs in a Ray worker."""
+    register(None, ["sokoban"])
+    answers: dict[int, list[str]] = {}
+
+    def recording(seed):
+        def policy(env, chat):
+            answers.setdefault(seed, []).append(expert_policy(env, chat))
+            return answers[seed][-1]
+        return policy
+
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        runs = list(pool.map(lambda s: rollout("envserve-sokoban", {"seed": s, "max_turns": 50}, recording(s)), seeds))
+    return [{"session_id": run["session_id"], "rewards": run["rewards"], "metrics": run["metrics"],
+             "answers": answers[seed], "first": run["chat"][1]["content"]} for run, seed in zip(runs, seeds)]
+
+
+def test_envs_made_in_a_ray_task_with_no_address_play_on_the_clusters_fleet(fleet):
+    import ray
+    seeds = [1, 2, 3]
+    # As a Ray worker of a trainer's cluster: no address anywhere (an empty ENVSERVE_ADDRESS is none).
+    task = ray.remote(play_in_a_ray_task).options(runtime_env={"env_vars": {"ENVSERVE_ADDRESS": ""}})
+    runs = ray.get(task.remote(seeds), timeout=300)
+    # Every session lived on the fleet's replica, was played to success and is closed there.
+    assert {replica_of(run["session_id"]) for run in runs} == {fleet["replica_id"]}
+    assert all(run["metrics"]["success"] and run["metrics"]["invalid_actions"] == 0 for run in runs)
+    assert not {run["session_id"] for run in runs} & live_session_ids(fleet["address"], "sokoban")
+    # The same answers in fresh sessions, reached through ray:// from the driver, earn the same rewards.
+    client = RoutedClient("ray://")
+    try:
+        for run, seed in zip(runs, seeds):
+            sid = client.open("sokoban", 1, None, "no_think")[0]
+            first = client.reset([sid], [seed])[0]
+            assert first.observation.text in run["first"]
+            assert [client.step([(sid, a)])[0].reward for a in run["answers"]] == pytest.approx(run["rewards"])
+            client.close_sessions([sid])
+    finally:
+        client.close()
