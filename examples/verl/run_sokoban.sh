@@ -4,6 +4,7 @@
 #
 #   envserve serve sokoban --port 50051 &            # or a directory of replicas: redis://host:6379/0
 #   ENVSERVE_ADDRESS=127.0.0.1:50051 MODEL=Qwen/Qwen2.5-0.5B-Instruct examples/verl/run_sokoban.sh
+#   FLEET=1 MODEL=Qwen/Qwen2.5-0.5B-Instruct examples/verl/run_sokoban.sh   # envserve as a fleet on verl's Ray
 #
 # Exports the dataset first when DATA has none: the first TRAIN_TASKS (512) tasks of Sokoban's train split
 # and VAL_TASKS (32) of its test split, as verl's rows (`envserve tasks export --format verl`). For
@@ -12,10 +13,22 @@
 # overrides (e.g. trainer.total_training_steps=5). verl's rollout needs vLLM or SGLang on a GPU; the
 # tool-calling route (ToolAgentLoop + EnvServeTool from tools.yaml) is the last override block's
 # alternative, shown commented out. DRY_RUN=1 prints the command instead of running it.
+#
+# FLEET=1: no server to start first. The trainer's driver starts envserve as a fleet on verl's Ray
+# (main_ppo_fleet.py: FLEET_FAMILIES replicas on each node) and the agent loops, Ray actors, find it
+# at ray:// (agent_loops.yaml gives no address); the dataset is exported by an in-process server.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 PYTHON=${PYTHON:-python}
-export ENVSERVE_ADDRESS=${ENVSERVE_ADDRESS:-127.0.0.1:50051}
+if [[ "${FLEET:-0}" == 1 ]]; then
+  unset ENVSERVE_ADDRESS
+  FROM=()
+  TRAIN=("$PYTHON" "$HERE/main_ppo_fleet.py")
+else
+  export ENVSERVE_ADDRESS=${ENVSERVE_ADDRESS:-127.0.0.1:50051}
+  FROM=(--address "$ENVSERVE_ADDRESS")
+  TRAIN=("$PYTHON" -m verl.trainer.main_ppo)
+fi
 MODEL=${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}
 DATA=${DATA:-$HOME/data/envserve-sokoban}
 GPUS=${GPUS:-1}
@@ -23,9 +36,9 @@ GPUS=${GPUS:-1}
 if [[ ! -f "$DATA/train.parquet" || ! -f "$DATA/val.parquet" ]]; then
   mkdir -p "$DATA"
   "$PYTHON" -m envserve.cli tasks export sokoban --split train --limit "${TRAIN_TASKS:-512}" --format verl \
-    --address "$ENVSERVE_ADDRESS" --out "$DATA/train.parquet" >&2
+    "${FROM[@]}" --out "$DATA/train.parquet" >&2
   "$PYTHON" -m envserve.cli tasks export sokoban --split test --limit "${VAL_TASKS:-32}" --format verl \
-    --address "$ENVSERVE_ADDRESS" --out "$DATA/val.parquet" >&2
+    "${FROM[@]}" --out "$DATA/val.parquet" >&2
 fi
 
 OVERRIDES=(
@@ -70,7 +83,7 @@ OVERRIDES=(
 )
 
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
-  printf '%s\n' "$PYTHON -m verl.trainer.main_ppo" "${OVERRIDES[@]}" "$@"
+  printf '%s\n' "${TRAIN[*]}" "${OVERRIDES[@]}" "$@"
   exit 0
 fi
-exec "$PYTHON" -m verl.trainer.main_ppo "${OVERRIDES[@]}" "$@"
+exec "${TRAIN[@]}" "${OVERRIDES[@]}" "$@"

@@ -1,16 +1,18 @@
 """examples/verl/: the parquet writer against a real replica, the run script's hydra overrides (its
-DRY_RUN output) and both YAML files.
+DRY_RUN output), both YAML files and the fleet route (FLEET=1, main_ppo_fleet.py).
 
 In `make test` (no verl in the venv): the dataset's rows, columns and seeds, the overrides as a dotlist,
 the files they name, and the YAML entries against envserve's own classes. With verl (`make test-verl`,
 ENVSERVE_TEST_VERL=1 in .verl-venv): verl's own ppo_trainer config composed with the run script's
 overrides and validated as main_ppo does, verl's RLHFDataset reading the parquet, and verl's tool loader
-building EnvServeTool from tools.yaml, whose first observation is the row's. main_ppo itself needs a
+building EnvServeTool from tools.yaml, whose first observation is the row's, and main_ppo_fleet.py
+starting a real fleet on its own Ray and handing verl's main_ppo the overrides. Training itself needs a
 vLLM or SGLang rollout on a GPU and is not run."""
 from __future__ import annotations
 
 import ast
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -215,3 +217,39 @@ def test_verls_dataset_and_sampler_read_the_exported_rows(sokoban, exported, tmp
     assert len(batches) == 2 and all(len(set(b)) == 2 for b in batches)   # a batch's rows: different tasks
     drawn = [i for _ in range(300) for i in sampler.tasks.draw_batch()]
     assert drawn.count(0) < min(drawn.count(i) for i in range(1, 5)) / 2
+
+
+# -- the fleet route: FLEET=1 ----------------------------------------------------------------------
+def test_the_fleet_route_runs_the_fleet_driver_and_exports_without_a_server(sokoban, dataset, tmp_path):
+    """FLEET=1: verl's overrides go to main_ppo_fleet.py instead of main_ppo, and the dataset is
+    exported by an in-process server (the fleet is not up yet), the same rows a replica lists."""
+    data = tmp_path / "data"
+    out = run_example([str(VERL / "run_sokoban.sh")],
+                      env={"DRY_RUN": "1", "FLEET": "1", "PYTHON": sys.executable, "DATA": str(data),
+                           "TRAIN_TASKS": "3", "VAL_TASKS": "1", "MODEL": "/models/tiny",
+                           "ENVSERVE_ADDRESS": "127.0.0.1:9"}).stdout      # no one there: not used
+    lines = out.splitlines()
+    assert lines[0] == f"{sys.executable} {VERL / 'main_ppo_fleet.py'}"
+    assert lines[1:] == [o.replace(str(dataset), str(data)) for o in dry_run(sokoban, dataset)]
+    from envserve.client import EnvClient
+    with EnvClient(sokoban.address) as c:
+        listed = c.list_tasks("sokoban", "train", 3).tasks
+    train = pd.read_parquet(data / "train.parquet")
+    assert [e["task_id"] for e in train.extra_info] == [t.task_id for t in listed]
+    assert (VERL / "main_ppo_fleet.py").exists() and "address" not in OmegaConf.load(VERL / "agent_loops.yaml")[0]
+
+
+@verl_only
+def test_the_fleet_driver_starts_a_fleet_and_runs_verls_main_ppo_on_its_ray(sokoban, dataset):
+    """main_ppo_fleet.py on a Ray of its own: a real fleet of one Sokoban replica comes up, verl's
+    main_ppo takes the recipe's overrides (hydra's --cfg job prints the composed config instead of
+    training, which needs a GPU), and the fleet is drained at the end."""
+    pytest.importorskip("verl")
+    overrides = dry_run(sokoban, dataset)
+    done = run_example(["verl/main_ppo_fleet.py", "--cfg", "job", *overrides], timeout=600,
+                       env={"RAY_ADDRESS": "local", "FLEET_FAMILIES": "sokoban"})
+    lines = [line.strip() for line in done.stdout.splitlines()]
+    assert any(re.fullmatch(r"envserve fleet: sokoban replica ray-sokoban-\S+ at \S+:\d+", line) for line in lines), done.stdout
+    # The composed config, as hydra prints it (the replicas' own log lines may come in between).
+    assert f"agent_loop_config_path: {VERL / 'agent_loops.yaml'}" in lines
+    assert "default_agent_loop: envserve_agent" in lines and f"train_files: {dataset / 'train.parquet'}" in lines
