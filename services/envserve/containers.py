@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .families import FAMILY_OF_ENV as FAMILY_IMAGES  # which image serves an environment
+from .common.families import FAMILY_OF_ENV as FAMILY_IMAGES  # which image serves an environment
 
 LABEL = "envserve.stack"
 DEFAULT_REDIS_IMAGE = "redis:7-alpine"

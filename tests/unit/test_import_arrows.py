@@ -32,7 +32,9 @@ ALLOWED: dict[str, set[str]] = {
     "integrations": {"client", "common"},
     "web": {"client", "directory", "rpc", "v1", "common", "package"},
     "demo": {"client"},
-    "containers": {"directory"},
+    "containers": {"directory", "common"},
+    # The Ray fleet starts replicas as processes (`envserve serve`) and reads the directory.
+    "ray": {"directory", "common"},
     "package": set(),                       # envserve/__init__.py: the version only
     "scaffold": set(),                      # `new-env`: writes a package's files, imports nothing of envserve
     # The trainer reaches envserve through the client alone (the HTTP retry loop it shares with the

@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 
 from envserve.directory import open_directory
 from envserve.directory.ray_directory import connect
-from envserve.families import GPU_FAMILIES, family_envs
+from envserve.common.families import GPU_FAMILIES, family_envs
 
 from .replica import ReplicaActor
 
@@ -40,7 +40,7 @@ log = logging.getLogger("envserve.ray")
 
 @dataclass
 class FleetConfig:
-    families: Sequence[str] = ("grid",)    # family names (envserve.families) or env ids
+    families: Sequence[str] = ("grid",)    # family names (envserve.common.families) or env ids
     replicas_per_node: int = 1             # at start, per node that can host the family
     replicas: int = 0                      # at start, per family, instead (0: replicas_per_node x nodes)
     min_replicas: int = 0                  # per family; 0: the start count
