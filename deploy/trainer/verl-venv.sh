@@ -36,5 +36,5 @@ trap 'rm -f "$constraints"' EXIT
 # client and the trainer's random-weight model and tokenizer for the tests.
 "$VENV/bin/pip" freeze --exclude-editable > "$constraints"
 "$VENV/bin/pip" install -q -c "$constraints" -e "$ROOT[grid]" -e "$ROOT/trainer[hf]" \
-  "pytest>=8" "pytest-timeout>=2" "pytest-asyncio>=0.23"
+  "pytest>=8" "pytest-timeout>=2" "pytest-asyncio>=0.23" "pytest-randomly>=3.15"
 "$VENV/bin/python" -c "import verl, torch, transformers; print('verl', verl.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
