@@ -27,6 +27,9 @@ DEFAULT_NAMESPACE = "envserve"
 # Seconds one directory call waits for the actor: past it the call fails as Redis's do when
 # Redis is unreachable, and the caller retries on its next period.
 CALL_TIMEOUT = 10.0
+# Seconds a new directory waits for its actor to answer: creating it starts a worker process,
+# which on a busy machine takes far longer than a call.
+START_TIMEOUT = 120.0
 # Threads the actor serves calls on (each call is a dict lookup under a lock).
 ACTOR_CONCURRENCY = 64
 
@@ -84,11 +87,13 @@ class RayDirectory(Directory):
     gone_because = "no heartbeat in the Ray directory"
 
     def __init__(self, name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE, address: str = "",
-                 timeout: float = CALL_TIMEOUT):
+                 timeout: float = CALL_TIMEOUT, start_timeout: float = START_TIMEOUT):
+        import ray
         try:
             connect(address)
             self._actor = directory_actor(name, namespace)
-        except Exception as e:  # no cluster to join
+            ray.get(self._actor.ping.remote(), timeout=start_timeout)
+        except Exception as e:  # no cluster to join, or no actor within start_timeout
             raise DirectoryUnavailable(f"ray: {e}") from e
         self.timeout = timeout
         self.name, self.namespace = name, namespace

@@ -52,7 +52,7 @@ class FleetConfig:
     target_load: float = 0.5               # live sessions / capacity each family is sized for
     scale_down_after_seconds: float = 60.0
     drain_timeout_seconds: float = 120.0   # a shrinking replica's time to move its sessions and exit
-    start_timeout_seconds: float = 180.0
+    start_timeout_seconds: float = 300.0     # a replica's start, on a busy node too
     max_restarts: int = -1                 # Ray's restarts of a replica actor (-1: always)
     request_resources: bool = True         # tell Ray's autoscaler the fleet's size
 

@@ -39,7 +39,7 @@ class ReplicaActor:
     """Made a Ray actor by the fleet (fleet.py), with the family's resources and max_restarts."""
 
     def __init__(self, family: str, envs: list[str], directory_url: str, serve_args: list[str],
-                 start_timeout: float = 180.0):
+                 start_timeout: float = 300.0):
         import ray
         self.family = family
         self.node_id = ray.get_runtime_context().get_node_id()
